@@ -1,0 +1,153 @@
+/*
+ * arx ABI: the one source of truth shared by the CUDA kernels (kernels/arx.cu,
+ * compiled at run time by NVRTC) and the Rust crate (build.rs turns this file
+ * into Rust with bindgen). Fixed-width types only, no CUDA or libc headers
+ * under NVRTC, every struct padded explicitly so both sides agree on sizes
+ * (checked by static asserts here and by const asserts in src/layout.rs).
+ *
+ * The mapped region of one instance (offsets computed in src/layout.rs only):
+ *
+ *   ctrl   arx_ctrl_t                       written by the device side, read by the proxy
+ *   flags  uint64_t [2 parities][world][2 lanes]   written by peers (RDMA or shm)
+ *   send   [2 parities][slot_bytes]          this rank's partial, read by the proxy/NIC
+ *   recv   [2 parities][world][slot_bytes]   peers' partials, written by peers
+ *
+ * Protocol for call seq (1, 2, ...), parity p = seq & 1:
+ *   1. the device side copies its partial into send[p], makes it visible
+ *      system-wide, writes ctrl.meta[p] then ctrl.seq = seq (release);
+ *   2. the proxy posts, for every seq in order, to every peer q (r+1, r+2, ...)
+ *      and each lane l: the lane's half of send[p] into q's recv[p][r], then the
+ *      flag word into q's flags[p][r][l] on the same ordered channel;
+ *   3. the device side waits until flags[p][q][l] carries seq for every peer and
+ *      lane, checks that the peer's count and dtype equal its own, and sums
+ *      recv[p][0..world] (its own partial from send[p]) in rank order with an
+ *      fp32 accumulator, rounding once, so every rank holds the same bits.
+ */
+#ifndef ARX_H
+#define ARX_H
+
+#ifdef __CUDACC_RTC__
+typedef unsigned long long uint64_t;
+typedef unsigned int uint32_t;
+#else
+#include <stdint.h>
+#endif
+
+/* "ARX1" as a little-endian u32. */
+#define ARX_MAGIC 0x31585241u
+/* Bump on any change to this file or to the wire format (src/wire.rs). */
+#define ARX_ABI_VERSION 1u
+
+#define ARX_LANES 2u
+#define ARX_PARITIES 2u
+/* Largest communicator arx accepts. */
+#define ARX_MAX_WORLD 256u
+/* Every section of the region starts on a page; slots are multiples of this. */
+#define ARX_SECTION_ALIGN 4096u
+/* Lane split granularity: each lane's half starts on a 16-byte boundary so
+ * the kernel can use 16-byte loads and stores. */
+#define ARX_LANE_ALIGN 16u
+
+/* The flag word: seq (low 32 bits of the call number) in the high half,
+ * then the dtype and the element count of that call, so that a receiver
+ * detects a peer that called with a different length or dtype. */
+#define ARX_FLAG_SEQ_SHIFT 32u
+#define ARX_FLAG_DTYPE_SHIFT 28u
+#define ARX_FLAG_DTYPE_MASK 0xfu
+#define ARX_FLAG_COUNT_MASK 0x0fffffffu
+/* Largest element count of one call (fits ARX_FLAG_COUNT_MASK). */
+#define ARX_MAX_COUNT 0x0fffffffu
+
+/* Element types, as carried in the flag word and PeerInfo's dtype set. */
+#define ARX_DTYPE_BF16 1u
+#define ARX_DTYPE_F16 2u
+#define ARX_DTYPE_F32 3u
+
+/* Status recorded by the device side in arx_ctrl_t.status. */
+#define ARX_STATUS_OK 0u
+/* A peer's flag did not arrive before the deadline. */
+#define ARX_STATUS_TIMEOUT 1u
+/* ctrl.abort was set (by the proxy after a fabric error, or by the host). */
+#define ARX_STATUS_ABORTED 2u
+/* A peer called with another count or dtype (its flag word in err_flag). */
+#define ARX_STATUS_MISMATCH 3u
+
+/* Control block, at offset 0 of the region (one 256-byte block). */
+typedef struct arx_ctrl {
+    /* Last seq whose partial is complete in send[seq & 1]; release-stored by
+     * the device side, acquire-loaded by the proxy. */
+    uint64_t seq;
+    /* Flag word announced for the seq of parity p; written before seq. */
+    uint64_t meta[2];
+    /* Last seq the device side finished (result written). */
+    uint64_t done;
+    /* Nonzero: the device side stops waiting and records ABORTED. */
+    uint32_t abort;
+    /* ARX_STATUS_* of the first failure, then the details. */
+    uint32_t status;
+    uint32_t err_peer;
+    uint32_t err_lane;
+    uint64_t err_seq;
+    uint64_t err_flag;
+    /* Deadline for one call's flag wait, in nanoseconds (set at start-up). */
+    uint64_t timeout_ns;
+    uint64_t reserved[23];
+} arx_ctrl_t;
+
+/* Offsets of the region's sections, as computed by src/layout.rs. */
+typedef struct arx_layout {
+    uint64_t ctrl_off;
+    uint64_t flags_off;
+    uint64_t send_off;
+    uint64_t recv_off;
+    uint64_t slot_bytes;
+    uint64_t region_bytes;
+    uint32_t world;
+    uint32_t rank;
+} arx_layout_t;
+
+/* Device-memory state of the GPU device side (not in the mapped region):
+ * the call counter lives here so that a captured CUDA graph needs no host
+ * work per replay. */
+typedef struct arx_gpu_state {
+    uint64_t seq;
+    /* Grid-wide rendezvous: blocks arrive after copying their part. */
+    uint32_t arrive;
+    /* Set to the current seq once every peer's flags are seen. */
+    uint32_t ready_seq;
+    uint32_t status;
+    uint32_t pad;
+    uint64_t reserved[5];
+} arx_gpu_state_t;
+
+/* Kernel parameters, passed by value to every arx kernel. */
+typedef struct arx_params {
+    /* Device address of the mapped region (host == device pointer under UVA). */
+    uint64_t region;
+    /* Device address of arx_gpu_state_t. */
+    uint64_t state;
+    uint64_t input;
+    uint64_t output;
+    arx_layout_t layout;
+    /* Elements in this call and its dtype. */
+    uint32_t count;
+    uint32_t dtype;
+    /* 1: the kernel stages the partial with SM stores and a system fence;
+     * 0: the host staged it with a copy-engine copy before the launch. */
+    uint32_t sm_staging;
+    uint32_t pad;
+} arx_params_t;
+
+#ifndef __CUDACC_RTC__
+#ifdef __cplusplus
+#define ARX_STATIC_ASSERT static_assert
+#else
+#define ARX_STATIC_ASSERT _Static_assert
+#endif
+ARX_STATIC_ASSERT(sizeof(arx_ctrl_t) == 256, "arx_ctrl_t is 256 bytes");
+ARX_STATIC_ASSERT(sizeof(arx_layout_t) == 56, "arx_layout_t is 56 bytes");
+ARX_STATIC_ASSERT(sizeof(arx_gpu_state_t) == 64, "arx_gpu_state_t is 64 bytes");
+ARX_STATIC_ASSERT(sizeof(arx_params_t) == 104, "arx_params_t is 104 bytes");
+#endif
+
+#endif /* ARX_H */
