@@ -58,7 +58,10 @@ typedef unsigned int uint32_t;
 /* Largest element count of one call (fits ARX_FLAG_COUNT_MASK). */
 #define ARX_MAX_COUNT 0x0fffffffu
 
-/* Element types, as carried in the flag word and PeerInfo's dtype set. */
+/* Element types, as carried in the flag word and PeerInfo's dtype set.
+ * INVALID marks a call a rank refused (too long, bad arguments): its peers
+ * fail at once instead of timing out. */
+#define ARX_DTYPE_INVALID 0u
 #define ARX_DTYPE_BF16 1u
 #define ARX_DTYPE_F16 2u
 #define ARX_DTYPE_F32 3u

@@ -1,0 +1,440 @@
+//! Every tuning knob in one place, with its default.
+//!
+//! A knob is set, in order of precedence, by the builder ([`crate::Builder`]),
+//! by its `ARX_*` environment variable, or by its default. Each environment
+//! variable that takes effect is logged once per process.
+
+use std::collections::HashSet;
+use std::str::FromStr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Who writes partials and sums them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// GPU if a CUDA driver and device are present, else Host.
+    Auto,
+    /// The CPU runs the protocol on host buffers (the embedded default).
+    Host,
+    /// The arx CUDA kernel runs the protocol on GPU buffers.
+    Gpu,
+}
+
+/// How bytes and flags reach peers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FabricKind {
+    /// Shm when every rank is on one node, else Verbs.
+    Auto,
+    /// POSIX shared memory between the ranks of one node.
+    Shm,
+    /// RDMA writes over RC queue pairs (RoCE v2), one device per lane.
+    Verbs,
+}
+
+/// How the send slot is filled on the GPU device side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Staging {
+    /// SM stores followed by a system-scope fence, inside the kernel.
+    Sm,
+    /// A copy-engine copy (`cuMemcpyAsync`) before the kernel.
+    CopyEngine,
+}
+
+/// How CPU-side waits (proxy, Host device side) spin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpinMode {
+    /// Poll hot for a while, then yield, then sleep briefly: fair to
+    /// oversubscribed runs and to idle periods.
+    Adaptive,
+    /// Never give up the core (one rank per node, dedicated cores).
+    Hot,
+}
+
+macro_rules! parse_enum {
+    ($t:ty, $name:literal, { $($s:literal => $v:expr),+ $(,)? }) => {
+        impl FromStr for $t {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                match s.to_ascii_lowercase().as_str() {
+                    $($s => Ok($v),)+
+                    _ => Err(Error::Config {
+                        name: $name,
+                        value: s.into(),
+                        reason: format!("expected one of: {}", [$($s),+].join(", ")),
+                    }),
+                }
+            }
+        }
+    };
+}
+parse_enum!(DeviceKind, "ARX_DEVICE", { "auto" => DeviceKind::Auto, "host" => DeviceKind::Host, "gpu" => DeviceKind::Gpu });
+parse_enum!(FabricKind, "ARX_FABRIC", { "auto" => FabricKind::Auto, "shm" => FabricKind::Shm, "verbs" => FabricKind::Verbs });
+parse_enum!(Staging, "ARX_STAGING", { "sm" => Staging::Sm, "copy" => Staging::CopyEngine, "ce" => Staging::CopyEngine });
+parse_enum!(SpinMode, "ARX_SPIN", { "adaptive" => SpinMode::Adaptive, "hot" => SpinMode::Hot });
+
+impl FabricKind {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            FabricKind::Auto => 0,
+            FabricKind::Shm => 1,
+            FabricKind::Verbs => 2,
+        }
+    }
+    pub(crate) fn from_code(c: u8) -> Option<Self> {
+        [FabricKind::Auto, FabricKind::Shm, FabricKind::Verbs]
+            .into_iter()
+            .find(|k| k.code() == c)
+    }
+}
+
+impl DeviceKind {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            DeviceKind::Auto => 0,
+            DeviceKind::Host => 1,
+            DeviceKind::Gpu => 2,
+        }
+    }
+}
+
+/// Default slot size: the largest partial of one call (1 MiB).
+pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
+/// Default bound on any wait (bootstrap, a call's flags, shutdown).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Resolved settings of one instance.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Device side.
+    pub device: DeviceKind,
+    /// Fabric.
+    pub fabric: FabricKind,
+    /// Capacity of one partial in bytes (`ARX_SLOT_BYTES`).
+    pub slot_bytes: usize,
+    /// Bound on every wait (`ARX_TIMEOUT_MS`).
+    pub timeout: Duration,
+    /// After this long without progress the proxy logs every peer's flags
+    /// (`ARX_STALL_WARN_MS`).
+    pub stall_warn: Duration,
+    /// CPU spin policy (`ARX_SPIN`).
+    pub spin: SpinMode,
+    /// Hot polls before yielding (`ARX_SPIN_HOT`).
+    pub spin_hot: u32,
+    /// GPU send-slot staging (`ARX_STAGING`).
+    pub staging: Staging,
+    /// RDMA devices for lane 0 and lane 1 (`ARX_DEVICES=dev0,dev1`).
+    pub devices: Option<Vec<String>>,
+    /// RoCE GID index for every device (`ARX_GID_INDEX`).
+    pub gid_index: Option<u32>,
+    /// CPU for the proxy thread (`ARX_PROXY_CPU`).
+    pub proxy_cpu: Option<usize>,
+}
+
+/// Options the builder sets explicitly (each overrides its environment variable).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Overrides {
+    pub device: Option<DeviceKind>,
+    pub fabric: Option<FabricKind>,
+    pub slot_bytes: Option<usize>,
+    pub timeout: Option<Duration>,
+    pub stall_warn: Option<Duration>,
+    pub spin: Option<SpinMode>,
+    pub staging: Option<Staging>,
+    pub devices: Option<Vec<String>>,
+    pub gid_index: Option<u32>,
+    pub proxy_cpu: Option<usize>,
+}
+
+static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+/// Logs `name=value` the first time this process uses it.
+fn log_once(name: &str, value: &str) {
+    let mut g = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    if g.get_or_insert_with(HashSet::new)
+        .insert(format!("{name}={value}"))
+    {
+        log::info!("arx: {name}={value} (from the environment)");
+    }
+}
+
+/// Reads one variable through `get` (the environment, or a map in tests).
+fn env_var<T, F>(
+    get: &F,
+    name: &'static str,
+    parse: impl Fn(&str) -> Result<T>,
+) -> Result<Option<T>>
+where
+    F: Fn(&str) -> Option<String>,
+{
+    match get(name) {
+        None => Ok(None),
+        Some(v) if v.trim().is_empty() => Ok(None),
+        Some(v) => {
+            let t = parse(v.trim())?;
+            log_once(name, v.trim());
+            Ok(Some(t))
+        }
+    }
+}
+
+fn number<T: FromStr>(name: &'static str) -> impl Fn(&str) -> Result<T> {
+    move |s: &str| {
+        s.parse::<T>().map_err(|_| Error::Config {
+            name,
+            value: s.into(),
+            reason: "expected a non-negative integer".into(),
+        })
+    }
+}
+
+/// Parses a byte size with an optional K/M/G suffix (powers of 1024).
+pub fn parse_bytes(name: &'static str, s: &str) -> Result<usize> {
+    let t = s.trim();
+    let (num, mul) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let mul = match c.to_ascii_uppercase() {
+                'K' => 1usize << 10,
+                'M' => 1 << 20,
+                'G' => 1 << 30,
+                _ => {
+                    return Err(Error::Config {
+                        name,
+                        value: s.into(),
+                        reason: "size suffix must be K, M or G".into(),
+                    })
+                }
+            };
+            (&t[..i], mul)
+        }
+        _ => (t, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mul))
+        .ok_or_else(|| Error::Config {
+            name,
+            value: s.into(),
+            reason: "expected a byte count such as 65536, 64K or 1M".into(),
+        })
+}
+
+impl Config {
+    /// Resolves the settings from builder overrides and the process environment.
+    pub(crate) fn resolve(o: &Overrides) -> Result<Self> {
+        Self::resolve_with(o, |k| std::env::var(k).ok())
+    }
+
+    /// As [`Config::resolve`], reading variables through `get`.
+    pub(crate) fn resolve_with<F: Fn(&str) -> Option<String>>(
+        o: &Overrides,
+        get: F,
+    ) -> Result<Self> {
+        let ms = |name: &'static str| {
+            move |s: &str| {
+                number::<u64>(name)(s).and_then(|v| {
+                    if v == 0 {
+                        Err(Error::Config {
+                            name,
+                            value: s.into(),
+                            reason: "must be at least 1 ms".into(),
+                        })
+                    } else {
+                        Ok(Duration::from_millis(v))
+                    }
+                })
+            }
+        };
+        let device = pick(
+            o.device,
+            env_var(&get, "ARX_DEVICE", str::parse)?,
+            DeviceKind::Auto,
+        );
+        let fabric = pick(
+            o.fabric,
+            env_var(&get, "ARX_FABRIC", str::parse)?,
+            FabricKind::Auto,
+        );
+        let slot_bytes = pick(
+            o.slot_bytes,
+            env_var(&get, "ARX_SLOT_BYTES", |s| parse_bytes("ARX_SLOT_BYTES", s))?,
+            DEFAULT_SLOT_BYTES,
+        );
+        let timeout = pick(
+            o.timeout,
+            env_var(&get, "ARX_TIMEOUT_MS", ms("ARX_TIMEOUT_MS"))?,
+            DEFAULT_TIMEOUT,
+        );
+        let stall_warn = pick(
+            o.stall_warn,
+            env_var(&get, "ARX_STALL_WARN_MS", ms("ARX_STALL_WARN_MS"))?,
+            Duration::from_secs(2).min(timeout / 2),
+        );
+        let spin = pick(
+            o.spin,
+            env_var(&get, "ARX_SPIN", str::parse)?,
+            SpinMode::Adaptive,
+        );
+        let spin_hot =
+            env_var(&get, "ARX_SPIN_HOT", number::<u32>("ARX_SPIN_HOT"))?.unwrap_or(4000);
+        let staging = pick(
+            o.staging,
+            env_var(&get, "ARX_STAGING", str::parse)?,
+            Staging::Sm,
+        );
+        let devices = match o.devices.clone() {
+            Some(d) => Some(d),
+            None => {
+                env_var(&get, "ARX_DEVICES", |s| {
+                    let v: Vec<String> = s
+                        .split(',')
+                        .map(|d| d.trim().to_string())
+                        .filter(|d| !d.is_empty())
+                        .collect();
+                    if v.is_empty() || v.len() > 2 {
+                        Err(Error::Config {
+                        name: "ARX_DEVICES",
+                        value: s.into(),
+                        reason: "expected one or two RDMA device names, e.g. rocep1s0f0,roceP2p1s0f0".into(),
+                    })
+                    } else {
+                        Ok(v)
+                    }
+                })?
+            }
+        };
+        let gid_index = match o.gid_index {
+            Some(g) => Some(g),
+            None => env_var(&get, "ARX_GID_INDEX", number::<u32>("ARX_GID_INDEX"))?,
+        };
+        let proxy_cpu = match o.proxy_cpu {
+            Some(c) => Some(c),
+            None => env_var(&get, "ARX_PROXY_CPU", number::<usize>("ARX_PROXY_CPU"))?,
+        };
+        let max_slot = crate::abi::ARX_MAX_COUNT as usize;
+        if slot_bytes == 0 || slot_bytes > max_slot {
+            return Err(Error::Config {
+                name: "slot size",
+                value: slot_bytes.to_string(),
+                reason: format!("must be between 1 and {max_slot} bytes"),
+            });
+        }
+        Ok(Config {
+            device,
+            fabric,
+            slot_bytes,
+            timeout,
+            stall_warn,
+            spin,
+            spin_hot,
+            staging,
+            devices,
+            gid_index,
+            proxy_cpu,
+        })
+    }
+}
+
+fn pick<T>(explicit: Option<T>, env: Option<T>, default: T) -> T {
+    explicit.or(env).unwrap_or(default)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn with(vars: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::resolve_with(&Overrides::default(), move |k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = with(&[]).unwrap();
+        assert_eq!(c.device, DeviceKind::Auto);
+        assert_eq!(c.fabric, FabricKind::Auto);
+        assert_eq!(c.slot_bytes, DEFAULT_SLOT_BYTES);
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert!(c.stall_warn < c.timeout);
+        assert_eq!(c.staging, Staging::Sm);
+        assert!(c.devices.is_none() && c.gid_index.is_none() && c.proxy_cpu.is_none());
+    }
+
+    #[test]
+    fn environment_is_read() {
+        let c = with(&[
+            ("ARX_DEVICE", "host"),
+            ("ARX_FABRIC", "Verbs"),
+            ("ARX_SLOT_BYTES", "64K"),
+            ("ARX_TIMEOUT_MS", "2500"),
+            ("ARX_SPIN", "hot"),
+            ("ARX_STAGING", "copy"),
+            ("ARX_DEVICES", "rocep1s0f0, roceP2p1s0f0"),
+            ("ARX_GID_INDEX", "3"),
+            ("ARX_PROXY_CPU", "19"),
+        ])
+        .unwrap();
+        assert_eq!(c.device, DeviceKind::Host);
+        assert_eq!(c.fabric, FabricKind::Verbs);
+        assert_eq!(c.slot_bytes, 65536);
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.spin, SpinMode::Hot);
+        assert_eq!(c.staging, Staging::CopyEngine);
+        assert_eq!(
+            c.devices.as_deref(),
+            Some(&["rocep1s0f0".to_string(), "roceP2p1s0f0".to_string()][..])
+        );
+        assert_eq!(c.gid_index, Some(3));
+        assert_eq!(c.proxy_cpu, Some(19));
+    }
+
+    #[test]
+    fn builder_beats_environment() {
+        let o = Overrides {
+            slot_bytes: Some(8192),
+            fabric: Some(FabricKind::Shm),
+            ..Default::default()
+        };
+        let c = Config::resolve_with(&o, |k| match k {
+            "ARX_SLOT_BYTES" => Some("1M".into()),
+            "ARX_FABRIC" => Some("verbs".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(c.slot_bytes, 8192);
+        assert_eq!(c.fabric, FabricKind::Shm);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (k, v) in [
+            ("ARX_DEVICE", "tpu"),
+            ("ARX_FABRIC", "tcp"),
+            ("ARX_SLOT_BYTES", "12Q"),
+            ("ARX_SLOT_BYTES", "0"),
+            ("ARX_TIMEOUT_MS", "-1"),
+            ("ARX_TIMEOUT_MS", "0"),
+            ("ARX_DEVICES", "a,b,c"),
+            ("ARX_GID_INDEX", "x"),
+        ] {
+            let e = with(&[(k, v)]).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(v), "{k}={v}: {msg}");
+        }
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("x", "4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("x", "8k").unwrap(), 8192);
+        assert_eq!(parse_bytes("x", "2M").unwrap(), 2 << 20);
+        assert_eq!(parse_bytes("x", "1G").unwrap(), 1 << 30);
+        assert!(parse_bytes("x", "M").is_err());
+        assert!(parse_bytes("x", "").is_err());
+    }
+}

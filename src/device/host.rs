@@ -1,0 +1,101 @@
+//! The Host device side: the protocol of kernels/arx.h run by the calling
+//! thread on host slices.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crate::dtype::{describe_call, sum_in_rank_order, Element};
+use crate::error::{Error, Result};
+use crate::layout::{flag_call, flag_seq, flag_word, Layout, Region};
+use crate::proxy::{peer_flags, Shared};
+use crate::spin::Backoff;
+use crate::Config;
+
+/// Runs one call: publish, wait for every peer's flags, sum in rank order.
+///
+/// `input` None means in place (the partial is read from `output`).
+pub(crate) fn allreduce<T: Element>(
+    region: &Region,
+    layout: &Layout,
+    cfg: &Config,
+    shared: &Shared,
+    seq: u64,
+    input: Option<&[T]>,
+    output: &mut [T],
+) -> Result<()> {
+    let me = layout.rank();
+    let world = layout.world();
+    let count = output.len();
+    let bytes = std::mem::size_of_val(output);
+    let p = (seq & 1) as usize;
+    let ctrl = region.ctrl();
+    let flag = flag_word(seq, T::DTYPE.code(), count);
+
+    // 1. Stage the partial, announce the call, publish seq (release).
+    let src: &[u8] = match input {
+        Some(i) => bytemuck::cast_slice(i),
+        None => bytemuck::cast_slice(output),
+    };
+    region.write(layout.send_offset(p), src);
+    ctrl.meta(p).store(flag, Ordering::Relaxed);
+    ctrl.seq().store(seq, Ordering::Release);
+
+    // 2. Wait for both lanes of every peer, bounded.
+    let start = Instant::now();
+    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot);
+    for step in 1..world {
+        let q = (me + step) % world;
+        for lane in 0..2 {
+            let word = region.u64_at(layout.flag_offset(p, q, lane));
+            loop {
+                let f = word.load(Ordering::Acquire);
+                if flag_seq(f) == seq as u32 {
+                    if f != flag {
+                        let (d, n) = flag_call(f);
+                        return Err(Error::CallMismatch {
+                            seq,
+                            rank: me,
+                            ours: describe_call(T::DTYPE.code(), count),
+                            peer: q,
+                            theirs: describe_call(d, n),
+                        });
+                    }
+                    break;
+                }
+                if ctrl.aborted() {
+                    return Err(shared.error().unwrap_or_else(|| Error::Kernel {
+                        seq,
+                        detail: "aborted while waiting for peers".into(),
+                    }));
+                }
+                if start.elapsed() > cfg.timeout {
+                    return Err(Error::Timeout {
+                        during: "allreduce (waiting for peers' flags)",
+                        waited: start.elapsed(),
+                        detail: format!(
+                            "rank {me}, call {seq}: {}",
+                            peer_flags(region, layout, seq)
+                        ),
+                    });
+                }
+                backoff.idle();
+            }
+        }
+    }
+
+    // 3. Sum in rank order (own partial from the send slot: the same bytes
+    //    every peer received).
+    let part = |r: usize| {
+        let off = if r == me {
+            layout.send_offset(p)
+        } else {
+            layout.recv_offset(p, r)
+        };
+        // SAFETY: these slots are not written again before call seq+2,
+        // which cannot start before this call returns.
+        unsafe { region.bytes(off, bytes) }
+    };
+    sum_in_rank_order(world, part, output);
+    ctrl.done().store(seq, Ordering::Release);
+    Ok(())
+}

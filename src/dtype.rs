@@ -1,0 +1,184 @@
+//! Element types arx reduces, and the one summation rule every device side
+//! follows: an fp32 accumulator, partials added in rank order, one rounding
+//! at the end. Same order and same rounding ⇒ the same bits on every rank.
+
+use half::{bf16, f16};
+
+use crate::abi;
+
+/// The element type of a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+    /// IEEE single precision.
+    F32,
+}
+
+impl Dtype {
+    /// The `ARX_DTYPE_*` code carried in flag words.
+    pub fn code(self) -> u32 {
+        match self {
+            Dtype::Bf16 => abi::ARX_DTYPE_BF16,
+            Dtype::F16 => abi::ARX_DTYPE_F16,
+            Dtype::F32 => abi::ARX_DTYPE_F32,
+        }
+    }
+    /// The dtype of an `ARX_DTYPE_*` code.
+    pub fn from_code(c: u32) -> Option<Self> {
+        [Dtype::Bf16, Dtype::F16, Dtype::F32]
+            .into_iter()
+            .find(|d| d.code() == c)
+    }
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::F16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+    /// Lower-case name as nccl-tests prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bfloat16",
+            Dtype::F16 => "half",
+            Dtype::F32 => "float",
+        }
+    }
+}
+
+/// Describes a call's (dtype code, count) pair for messages.
+pub(crate) fn describe_call(code: u32, count: usize) -> String {
+    match Dtype::from_code(code) {
+        Some(d) => format!("{count} x {}", d.name()),
+        None if code == abi::ARX_DTYPE_INVALID => {
+            format!("a call it refused ({count} elements: too long or bad arguments; see that rank's error)")
+        }
+        None => format!("{count} elements of unknown dtype {code}"),
+    }
+}
+
+/// An element type arx can all-reduce.
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// Its dtype.
+    const DTYPE: Dtype;
+    /// Widens to f32 exactly.
+    fn to_f32(self) -> f32;
+    /// Rounds an f32 to this type (round to nearest even).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Element for bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: Dtype = Dtype::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+/// Sums `world` partials element-wise into `out` by the arx rule (fp32
+/// accumulator, rank order, one rounding). `part(r)` is rank r's partial as
+/// raw bytes of at least `out.len()` elements. Works in blocks with the
+/// accumulator on the stack: no allocation on the call path, and each
+/// element still sees exactly `((p0 + p1) + p2) + …`.
+pub(crate) fn sum_in_rank_order<'a, T: Element>(
+    world: usize,
+    part: impl Fn(usize) -> &'a [u8],
+    out: &mut [T],
+) {
+    const BLOCK: usize = 512;
+    let mut acc = [0.0f32; BLOCK];
+    for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let base = b * BLOCK;
+        let acc = &mut acc[..chunk.len()];
+        acc.fill(0.0);
+        for r in 0..world {
+            let bytes = &part(r)
+                [base * std::mem::size_of::<T>()..(base + chunk.len()) * std::mem::size_of::<T>()];
+            // Received slots are page-aligned and T-aligned offsets, but be
+            // robust to any alignment: read unaligned element by element.
+            for (a, e) in acc
+                .iter_mut()
+                .zip(bytes.chunks_exact(std::mem::size_of::<T>()))
+            {
+                *a += bytemuck::pod_read_unaligned::<T>(e).to_f32();
+            }
+        }
+        for (o, a) in chunk.iter_mut().zip(acc.iter()) {
+            *o = T::from_f32(*a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip() {
+        for d in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
+            assert_eq!(Dtype::from_code(d.code()), Some(d));
+        }
+        assert_eq!(Dtype::from_code(0), None);
+    }
+
+    #[test]
+    fn rank_order_is_the_order() {
+        // In f32, (1e8 + 1) - 1e8 = 0 but 1e8 + (1 - 1e8) = 1: the order matters
+        // and must be the rank order.
+        let a = 1e8f32.to_le_bytes();
+        let b = 1f32.to_le_bytes();
+        let c = (-1e8f32).to_le_bytes();
+        let mut out = [0f32; 1];
+        let p = [&a[..], &b[..], &c[..]];
+        sum_in_rank_order::<f32>(3, |r| p[r], &mut out);
+        assert_eq!(out[0], (1e8f32 + 1.0) + -1e8);
+        let mut out2 = [0f32; 1];
+        let p2 = [&b[..], &c[..], &a[..]];
+        sum_in_rank_order::<f32>(3, |r| p2[r], &mut out2);
+        assert_eq!(out2[0], (1f32 + -1e8) + 1e8);
+        assert_ne!(out[0], out2[0]);
+    }
+
+    #[test]
+    fn bf16_rounds_once() {
+        // Three bf16 values whose exact sum needs rounding once at the end.
+        let x = [
+            bf16::from_f32(1.0),
+            bf16::from_f32(0.00390625),
+            bf16::from_f32(0.00390625),
+        ];
+        let parts: Vec<Vec<u8>> = x.iter().map(|v| bytemuck::bytes_of(v).to_vec()).collect();
+        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+        let mut out = [bf16::ZERO; 1];
+        sum_in_rank_order(3, |r| refs[r], &mut out);
+        assert_eq!(out[0], bf16::from_f32(1.0 + 0.00390625 + 0.00390625));
+        // Rounding after every step would have lost both small terms.
+        let stepwise = bf16::from_f32(bf16::from_f32(1.0 + 0.00390625).to_f32() + 0.00390625);
+        assert_ne!(out[0], stepwise);
+    }
+}

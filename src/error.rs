@@ -1,0 +1,167 @@
+//! The one error type of arx.
+//!
+//! Every failing operation has its own variant, and each variant names what a
+//! user needs to find the fault: the peer rank, the lane, the device, the MPI
+//! or verbs call. Errors are `Clone` because an instance that failed returns
+//! its first error again from every later call (a failed collective leaves the
+//! ranks out of step, so nothing after it could be trusted).
+
+use std::time::Duration;
+
+/// Result alias used throughout arx.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in arx.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An MPI call failed (`call` names it, e.g. `MPI_Iallgather`).
+    #[error("MPI call {call} failed: {detail}")]
+    Mpi {
+        /// The MPI function.
+        call: &'static str,
+        /// MPI's error string or code.
+        detail: String,
+    },
+
+    /// The ranks disagree on something they must share (set up on every rank
+    /// the same way). Every rank gets this error, naming the same rank.
+    #[error("ranks disagree on {what}: rank {rank} has {theirs}, rank 0 has {ours}")]
+    Mismatch {
+        /// What differs (ABI version, slot size, world size, dtype set, fabric, ...).
+        what: &'static str,
+        /// The first rank whose value differs from rank 0's.
+        rank: usize,
+        /// Rank 0's value.
+        ours: String,
+        /// That rank's value.
+        theirs: String,
+    },
+
+    /// A peer called `allreduce` with another element count or dtype for the
+    /// same call.
+    #[error(
+        "call {seq}: rank {rank} called allreduce with {ours}, but rank {peer} called it with {theirs}"
+    )]
+    CallMismatch {
+        /// The call number (1 for the first call of an instance).
+        seq: u64,
+        /// This rank.
+        rank: usize,
+        /// This rank's count and dtype.
+        ours: String,
+        /// The peer.
+        peer: usize,
+        /// The peer's count and dtype.
+        theirs: String,
+    },
+
+    /// A bounded wait ran out.
+    #[error("timed out after {waited:?} in {during}: {detail}")]
+    Timeout {
+        /// What was being waited for (`bootstrap all-gather`, `allreduce flags`, ...).
+        during: &'static str,
+        /// How long it waited.
+        waited: Duration,
+        /// Which peers and lanes had not arrived, and what they had sent.
+        detail: String,
+    },
+
+    /// Another rank failed; this rank stops too.
+    #[error("rank {peer} failed: {reason}")]
+    PeerFailed {
+        /// The failed peer.
+        peer: usize,
+        /// What that rank reported.
+        reason: String,
+    },
+
+    /// The call's arguments are wrong (length, size, in-place aliasing ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// An `ARX_*` environment variable or builder option has a bad value.
+    #[error("bad setting {name}={value}: {reason}")]
+    Config {
+        /// The variable or option.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+
+    /// Something arx needs is not present (no GPU, no RDMA device, no libcuda).
+    #[error("{what} is not available: {reason}")]
+    Unavailable {
+        /// What is missing.
+        what: &'static str,
+        /// Why, and what to do about it.
+        reason: String,
+    },
+
+    /// A system call failed (shared memory, memory mapping, thread start).
+    #[error("{call} failed for {object}: {detail}")]
+    Os {
+        /// The call (`shm_open`, `mmap`, ...).
+        call: &'static str,
+        /// The object it was called on (segment name, size, ...).
+        object: String,
+        /// errno's message.
+        detail: String,
+    },
+
+    /// A verbs call or completion failed.
+    #[error("verbs {call} failed on device {device}{}{}: {detail}",
+        peer.map(|p| format!(", peer {p}")).unwrap_or_default(),
+        lane.map(|l| format!(", lane {l}")).unwrap_or_default())]
+    Verbs {
+        /// The verbs call (`ibv_reg_mr`, `ibv_modify_qp(RTR)`, completion ...).
+        call: &'static str,
+        /// The RDMA device name.
+        device: String,
+        /// The peer rank, if the call concerned one.
+        peer: Option<usize>,
+        /// The lane, if the call concerned one.
+        lane: Option<usize>,
+        /// errno or the completion status.
+        detail: String,
+    },
+
+    /// RDMA device discovery or selection failed.
+    #[error("topology: {0}")]
+    Topology(String),
+
+    /// A CUDA driver or NVRTC call failed.
+    #[error("CUDA {call} failed: {detail}")]
+    Cuda {
+        /// The driver/NVRTC call.
+        call: &'static str,
+        /// The CUDA error.
+        detail: String,
+    },
+
+    /// The arx kernel recorded a failure (timeout, abort, call mismatch).
+    #[error("arx kernel failed in call {seq}: {detail}")]
+    Kernel {
+        /// The call number.
+        seq: u64,
+        /// What the kernel recorded.
+        detail: String,
+    },
+
+    /// The proxy thread failed or is gone.
+    #[error("proxy thread: {0}")]
+    Proxy(String),
+}
+
+impl Error {
+    /// Builds an [`Error::Os`] from the last OS error.
+    pub(crate) fn last_os(call: &'static str, object: impl Into<String>) -> Self {
+        Error::Os {
+            call,
+            object: object.into(),
+            detail: std::io::Error::last_os_error().to_string(),
+        }
+    }
+}

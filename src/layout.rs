@@ -1,0 +1,451 @@
+//! The mapped region: where each section lives (computed here and nowhere
+//! else) and the small amount of `unsafe` needed to touch it.
+//!
+//! ```text
+//! ctrl  | flags[2][world][2] | send[2][slot] | recv[2][world][slot]
+//! ```
+//!
+//! Each section starts on a page. The receive area keeps a slot for this
+//! rank too (unused) so that `recv[p][src]` needs no special case.
+
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use crate::abi;
+use crate::error::{Error, Result};
+
+/// Bytes of the control block.
+pub(crate) const CTRL_BYTES: usize = std::mem::size_of::<abi::arx_ctrl_t>();
+const ALIGN: usize = abi::ARX_SECTION_ALIGN as usize;
+const LANES: usize = abi::ARX_LANES as usize;
+const PARITIES: usize = abi::ARX_PARITIES as usize;
+
+// The Rust side agrees with the header's own static asserts.
+const _: () = assert!(std::mem::size_of::<abi::arx_ctrl_t>() == 256);
+const _: () = assert!(std::mem::size_of::<abi::arx_layout_t>() == 56);
+const _: () = assert!(std::mem::size_of::<abi::arx_gpu_state_t>() == 64);
+const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 104);
+
+pub(crate) const fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// Offsets of one instance's region.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    raw: abi::arx_layout_t,
+}
+
+impl Layout {
+    /// Computes the layout for `world` ranks and slots of at least
+    /// `slot_bytes` bytes (rounded up to a page).
+    pub fn new(world: usize, rank: usize, slot_bytes: usize) -> Result<Self> {
+        if world == 0 || world > abi::ARX_MAX_WORLD as usize {
+            return Err(Error::InvalidArgument(format!(
+                "world size {world} is outside 1..={}",
+                abi::ARX_MAX_WORLD
+            )));
+        }
+        if rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} outside a world of {world}"
+            )));
+        }
+        if slot_bytes == 0 {
+            return Err(Error::InvalidArgument("slot size 0".into()));
+        }
+        let slot = align_up(slot_bytes, ALIGN);
+        let flags_off = align_up(CTRL_BYTES, ALIGN);
+        let flags_bytes = PARITIES * world * LANES * 8;
+        let send_off = align_up(flags_off + flags_bytes, ALIGN);
+        let recv_off = send_off + PARITIES * slot;
+        let region = recv_off
+            .checked_add(
+                PARITIES
+                    .checked_mul(world)
+                    .and_then(|n| n.checked_mul(slot))
+                    .ok_or_else(|| Error::InvalidArgument("region size overflows".into()))?,
+            )
+            .ok_or_else(|| Error::InvalidArgument("region size overflows".into()))?;
+        Ok(Layout {
+            raw: abi::arx_layout_t {
+                ctrl_off: 0,
+                flags_off: flags_off as u64,
+                send_off: send_off as u64,
+                recv_off: recv_off as u64,
+                slot_bytes: slot as u64,
+                region_bytes: region as u64,
+                world: world as u32,
+                rank: rank as u32,
+            },
+        })
+    }
+
+    /// The ABI struct handed to the kernel.
+    pub fn raw(&self) -> abi::arx_layout_t {
+        self.raw
+    }
+    /// Ranks in the communicator.
+    pub fn world(&self) -> usize {
+        self.raw.world as usize
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.raw.rank as usize
+    }
+    /// Bytes of one slot (one partial's capacity).
+    pub fn slot_bytes(&self) -> usize {
+        self.raw.slot_bytes as usize
+    }
+    /// Bytes of the whole region.
+    pub fn region_bytes(&self) -> usize {
+        self.raw.region_bytes as usize
+    }
+    /// Offset of the flag `src` writes for `lane` on calls of `parity`.
+    pub fn flag_offset(&self, parity: usize, src: usize, lane: usize) -> usize {
+        debug_assert!(parity < PARITIES && src < self.world() && lane < LANES);
+        self.raw.flags_off as usize + ((parity * self.world() + src) * LANES + lane) * 8
+    }
+    /// Offset of this rank's send slot of `parity`.
+    pub fn send_offset(&self, parity: usize) -> usize {
+        self.raw.send_off as usize + parity * self.slot_bytes()
+    }
+    /// Offset of the slot that receives `src`'s partial on calls of `parity`.
+    pub fn recv_offset(&self, parity: usize, src: usize) -> usize {
+        self.raw.recv_off as usize + (parity * self.world() + src) * self.slot_bytes()
+    }
+    /// Bytes of the flags section.
+    pub fn flags_bytes(&self) -> usize {
+        PARITIES * self.world() * LANES * 8
+    }
+    /// Offset of the flags section.
+    pub fn flags_offset(&self) -> usize {
+        self.raw.flags_off as usize
+    }
+
+    /// The bytes of a `bytes`-long partial that travel on `lane`: the first
+    /// half (rounded up to 16 bytes) on lane 0, the rest on lane 1. A lane
+    /// may carry nothing for tiny partials; its flag is sent all the same.
+    pub fn lane_range(bytes: usize, lane: usize) -> Range<usize> {
+        let half = align_up(bytes.div_ceil(2), abi::ARX_LANE_ALIGN as usize).min(bytes);
+        match lane {
+            0 => 0..half,
+            _ => half..bytes,
+        }
+    }
+}
+
+/// Packs the flag word for call `seq` of `count` elements of `dtype`.
+pub fn flag_word(seq: u64, dtype: u32, count: usize) -> u64 {
+    ((seq & 0xffff_ffff) << abi::ARX_FLAG_SEQ_SHIFT)
+        | (u64::from(dtype & abi::ARX_FLAG_DTYPE_MASK) << abi::ARX_FLAG_DTYPE_SHIFT)
+        | (count as u64 & u64::from(abi::ARX_FLAG_COUNT_MASK))
+}
+
+/// The seq bits of a flag word.
+pub fn flag_seq(flag: u64) -> u32 {
+    (flag >> abi::ARX_FLAG_SEQ_SHIFT) as u32
+}
+
+/// The (dtype, count) bits of a flag word.
+pub fn flag_call(flag: u64) -> (u32, usize) {
+    (
+        ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
+        (flag & u64::from(abi::ARX_FLAG_COUNT_MASK)) as usize,
+    )
+}
+
+/// Who releases a region's memory.
+pub(crate) enum Backing {
+    /// Anonymous `mmap` (Host device side over Verbs).
+    Mmap,
+    /// Part of a shared segment that something else unmaps.
+    Borrowed(#[allow(dead_code)] Box<dyn Send + Sync>),
+    /// Memory released by a closure (CUDA host allocations).
+    Custom(Option<Box<dyn FnOnce() + Send + Sync>>),
+}
+
+/// One instance's mapped region: raw memory shared with peers (through the
+/// fabric), the proxy thread and the device side. Every access goes through
+/// the methods below, which check bounds and use atomics for the words that
+/// cross threads or devices.
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    backing: Backing,
+}
+
+// SAFETY: the region is plain memory whose cross-thread words are accessed
+// only through atomics, and whose data sections are handed over by the
+// release/acquire protocol on those words (see kernels/arx.h).
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Maps `len` zeroed bytes of anonymous, page-aligned memory.
+    pub(crate) fn anonymous(len: usize) -> Result<Self> {
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap", format!("{len} bytes")));
+        }
+        Ok(Region {
+            ptr: NonNull::new(p.cast()).expect("mmap never returns NULL on success"),
+            len,
+            backing: Backing::Mmap,
+        })
+    }
+
+    /// Wraps memory owned elsewhere.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, aligned to a
+    /// page, for as long as `backing` lives.
+    pub(crate) unsafe fn from_raw(ptr: *mut u8, len: usize, backing: Backing) -> Result<Self> {
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::InvalidArgument("region pointer is NULL".into()))?;
+        Ok(Region { ptr, len, backing })
+    }
+
+    /// Base address (host == device address for mapped CUDA memory).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for an empty region (never, in practice).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, off: usize, len: usize, align: usize) {
+        // A layout bug, not a runtime condition: offsets come from `Layout`.
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len) && off % align == 0,
+            "region access {off}+{len} outside {} bytes",
+            self.len
+        );
+    }
+
+    /// The 64-bit word at `off` as an atomic.
+    pub(crate) fn u64_at(&self, off: usize) -> &AtomicU64 {
+        self.check(off, 8, 8);
+        // SAFETY: in bounds and 8-aligned (checked); the memory lives as long
+        // as `self`; every access to this word goes through atomics.
+        unsafe { &*(self.ptr.as_ptr().add(off) as *const AtomicU64) }
+    }
+
+    /// The 32-bit word at `off` as an atomic.
+    pub(crate) fn u32_at(&self, off: usize) -> &AtomicU32 {
+        self.check(off, 4, 4);
+        // SAFETY: as for `u64_at`.
+        unsafe { &*(self.ptr.as_ptr().add(off) as *const AtomicU32) }
+    }
+
+    /// Copies `src` into the region at `off`.
+    pub(crate) fn write(&self, off: usize, src: &[u8]) {
+        self.check(off, src.len(), 1);
+        // SAFETY: in bounds (checked); `src` cannot overlap the region's data
+        // sections that the caller owns for this call by the protocol.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
+        }
+    }
+
+    /// Copies `dst.len()` bytes at `off` out of the region.
+    pub(crate) fn read(&self, off: usize, dst: &mut [u8]) {
+        self.check(off, dst.len(), 1);
+        // SAFETY: in bounds (checked); the bytes were handed over by an
+        // acquire load of their flag.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        }
+    }
+
+    /// A shared view of `len` bytes at `off`, for summing received partials.
+    ///
+    /// # Safety
+    /// Nobody may write these bytes while the view lives (the protocol
+    /// guarantees this for a received slot until the next call of the same
+    /// parity, which cannot start before this one ends).
+    pub(crate) unsafe fn bytes(&self, off: usize, len: usize) -> &[u8] {
+        self.check(off, len, 1);
+        std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len)
+    }
+
+    /// Control block words.
+    pub(crate) fn ctrl(&self) -> Ctrl<'_> {
+        Ctrl(self)
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        match &mut self.backing {
+            Backing::Mmap => {
+                // SAFETY: we mapped exactly this range in `anonymous`.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+            }
+            Backing::Borrowed(_) => {}
+            Backing::Custom(f) => {
+                if let Some(f) = f.take() {
+                    f()
+                }
+            }
+        }
+    }
+}
+
+/// Typed access to the control block's words.
+pub(crate) struct Ctrl<'a>(&'a Region);
+
+macro_rules! ctrl_off {
+    ($field:ident) => {
+        std::mem::offset_of!(abi::arx_ctrl_t, $field)
+    };
+}
+
+impl Ctrl<'_> {
+    pub fn seq(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(seq))
+    }
+    pub fn meta(&self, parity: usize) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(meta) + 8 * parity)
+    }
+    pub fn done(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(done))
+    }
+    pub fn abort(&self) -> &AtomicU32 {
+        self.0.u32_at(ctrl_off!(abort))
+    }
+    pub fn status(&self) -> &AtomicU32 {
+        self.0.u32_at(ctrl_off!(status))
+    }
+    pub fn err_peer(&self) -> &AtomicU32 {
+        self.0.u32_at(ctrl_off!(err_peer))
+    }
+    pub fn err_lane(&self) -> &AtomicU32 {
+        self.0.u32_at(ctrl_off!(err_lane))
+    }
+    pub fn err_seq(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(err_seq))
+    }
+    pub fn err_flag(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(err_flag))
+    }
+    pub fn timeout_ns(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(timeout_ns))
+    }
+    /// True once the abort word is set.
+    pub fn aborted(&self) -> bool {
+        self.abort().load(Ordering::Acquire) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sections_are_disjoint_and_aligned() {
+        for world in [1, 2, 3, 8, 256] {
+            for slot in [1, 4096, 4097, 1 << 20] {
+                let l = Layout::new(world, world - 1, slot).unwrap();
+                assert!(l.slot_bytes() >= slot && l.slot_bytes() % 4096 == 0);
+                assert!(l.flags_offset() >= CTRL_BYTES);
+                assert!(l.flags_offset() + l.flags_bytes() <= l.send_offset(0));
+                assert_eq!(l.send_offset(1), l.send_offset(0) + l.slot_bytes());
+                assert!(l.send_offset(1) + l.slot_bytes() <= l.recv_offset(0, 0));
+                let last = l.recv_offset(1, world - 1) + l.slot_bytes();
+                assert_eq!(last, l.region_bytes());
+                for off in [
+                    l.flags_offset(),
+                    l.send_offset(0),
+                    l.recv_offset(1, world - 1),
+                ] {
+                    assert_eq!(off % 4096, 0);
+                }
+                // Every flag word is distinct and inside the flags section.
+                let mut seen = std::collections::HashSet::new();
+                for p in 0..2 {
+                    for s in 0..world {
+                        for lane in 0..2 {
+                            let o = l.flag_offset(p, s, lane);
+                            assert!(
+                                o >= l.flags_offset()
+                                    && o + 8 <= l.flags_offset() + l.flags_bytes()
+                            );
+                            assert!(seen.insert(o));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_shapes() {
+        assert!(Layout::new(0, 0, 4096).is_err());
+        assert!(Layout::new(2, 2, 4096).is_err());
+        assert!(Layout::new(257, 0, 4096).is_err());
+        assert!(Layout::new(2, 0, 0).is_err());
+    }
+
+    #[test]
+    fn lanes_split_every_byte_once() {
+        for bytes in [0usize, 1, 2, 15, 16, 17, 31, 32, 33, 1000, 4096, 1 << 20] {
+            let a = Layout::lane_range(bytes, 0);
+            let b = Layout::lane_range(bytes, 1);
+            assert_eq!(a.start, 0);
+            assert_eq!(a.end, b.start);
+            assert_eq!(b.end, bytes);
+            assert_eq!(a.end % 16 == 0 || a.end == bytes, true);
+            assert!(a.len() >= b.len());
+        }
+    }
+
+    #[test]
+    fn flag_word_round_trips() {
+        for (seq, dtype, count) in [
+            (1u64, 1u32, 1usize),
+            (0x1_2345_6789, 3, 0x0fff_ffff),
+            (7, 2, 12345),
+        ] {
+            let f = flag_word(seq, dtype, count);
+            assert_eq!(flag_seq(f), seq as u32);
+            assert_eq!(flag_call(f), (dtype, count));
+        }
+        assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 6));
+        assert_ne!(flag_word(1, 1, 5), flag_word(1, 3, 5));
+    }
+
+    #[test]
+    fn region_words_are_independent() {
+        let l = Layout::new(3, 1, 4096).unwrap();
+        let r = Region::anonymous(l.region_bytes()).unwrap();
+        r.ctrl().seq().store(41, Ordering::Release);
+        r.ctrl().meta(1).store(7, Ordering::Release);
+        r.u64_at(l.flag_offset(1, 2, 1)).store(9, Ordering::Release);
+        assert_eq!(r.ctrl().seq().load(Ordering::Acquire), 41);
+        assert_eq!(r.ctrl().meta(0).load(Ordering::Acquire), 0);
+        assert_eq!(r.ctrl().meta(1).load(Ordering::Acquire), 7);
+        assert_eq!(r.u64_at(l.flag_offset(1, 2, 0)).load(Ordering::Acquire), 0);
+        r.write(l.send_offset(1), &[1, 2, 3]);
+        let mut out = [0u8; 3];
+        r.read(l.send_offset(1), &mut out);
+        assert_eq!(out, [1, 2, 3]);
+    }
+}

@@ -1,0 +1,250 @@
+//! The proxy thread: sees each seq the device side publishes and sends that
+//! call's partial and flags through the fabric, strictly in order.
+//!
+//! Why every seq in order: a peer accepts seq+1 on the flag alone; if this
+//! rank skipped posting seq, a peer could pair seq+1's flag with stale data.
+//!
+//! The proxy also runs the watchdog: when the device side has waited on a
+//! call for longer than `stall_warn`, it logs what every peer has sent so a
+//! hang is diagnosable from any rank's log. Errors from the fabric are
+//! recorded here, the abort word is raised so the device side stops waiting,
+//! and the next call returns the error.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::fabric::Fabric;
+use crate::layout::{flag_call, flag_seq, Layout, Region};
+use crate::spin::Backoff;
+
+/// State shared by the proxy thread and the caller.
+pub(crate) struct Shared {
+    pub region: Arc<Region>,
+    stop: AtomicBool,
+    error: Mutex<Option<Error>>,
+}
+
+impl Shared {
+    /// The error the proxy recorded, if any.
+    pub fn error(&self) -> Option<Error> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn record(&self, e: Error) {
+        let mut g = self.error.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            log::error!("arx proxy: {e}");
+            *g = Some(e);
+        }
+        self.region.ctrl().abort().store(1, Ordering::Release);
+    }
+}
+
+/// Handle to the running proxy thread; stops and joins it on drop.
+pub(crate) struct Proxy {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    timeout: Duration,
+}
+
+impl Proxy {
+    /// Starts the proxy over `fabric`, pinned to `cpu` if given.
+    pub fn start(
+        fabric: Box<dyn Fabric>,
+        region: Arc<Region>,
+        layout: Layout,
+        cfg: &Config,
+        cpu: Option<usize>,
+    ) -> Result<Self> {
+        let shared = Arc::new(Shared {
+            region,
+            stop: AtomicBool::new(false),
+            error: Mutex::new(None),
+        });
+        let s = Arc::clone(&shared);
+        let cfg2 = cfg.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("arx-proxy-{}", layout.rank()))
+            .spawn(move || {
+                if let Some(cpu) = cpu {
+                    if let Err(e) = crate::topology::pin_current_thread(cpu) {
+                        log::warn!("arx proxy: could not pin to CPU {cpu}: {e}");
+                    }
+                }
+                run(fabric, &s, layout, &cfg2)
+            })
+            .map_err(|e| Error::Os {
+                call: "thread spawn",
+                object: "arx proxy".into(),
+                detail: e.to_string(),
+            })?;
+        Ok(Proxy {
+            shared,
+            thread: Some(thread),
+            timeout: cfg.timeout,
+        })
+    }
+
+    /// The state shared with the thread.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// True while the thread runs.
+    pub fn alive(&self) -> bool {
+        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            // The thread drains what was published, bounded by the timeout.
+            let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                log::error!(
+                    "arx proxy did not stop within {:?}; leaving it detached",
+                    self.timeout
+                );
+            }
+        }
+    }
+}
+
+fn run(mut fabric: Box<dyn Fabric>, s: &Shared, layout: Layout, cfg: &Config) {
+    let ctrl = s.region.ctrl();
+    let mut posted = 0u64;
+    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot);
+    let mut watch = Watchdog::new(cfg.stall_warn);
+    let mut stop_at: Option<Instant> = None;
+    loop {
+        let published = ctrl.seq().load(Ordering::Acquire);
+        let mut busy = false;
+        while posted < published && s.error().is_none() {
+            let seq = posted + 1;
+            // meta[p] of seq stays until seq+2 is published, which cannot
+            // happen before this post reached every peer.
+            let flag = ctrl.meta((seq & 1) as usize).load(Ordering::Acquire);
+            let (dtype, count) = flag_call(flag);
+            let bytes = count * crate::dtype::Dtype::from_code(dtype).map_or(0, |d| d.size());
+            if let Err(e) = fabric.post(seq, bytes, flag) {
+                s.record(e);
+                break;
+            }
+            posted = seq;
+            busy = true;
+        }
+        if let Err(e) = fabric.progress() {
+            s.record(e);
+        }
+        if s.stop.load(Ordering::Acquire) {
+            // Drain: everything published is posted (above); wait for local
+            // completions so peers get their last flags, within the timeout.
+            let t = *stop_at.get_or_insert_with(Instant::now);
+            if (posted >= published && fabric.quiescent())
+                || s.error().is_some()
+                || t.elapsed() > cfg.timeout
+            {
+                if t.elapsed() > cfg.timeout {
+                    log::warn!("arx proxy: stopped before every send completed");
+                }
+                return;
+            }
+        }
+        watch.check(s, &layout, posted);
+        if busy {
+            backoff.reset();
+        } else {
+            backoff.idle();
+        }
+    }
+}
+
+/// Logs every peer's flags when a call waits for too long.
+struct Watchdog {
+    after: Duration,
+    last_done: u64,
+    since: Instant,
+    warned: bool,
+}
+
+impl Watchdog {
+    fn new(after: Duration) -> Self {
+        Watchdog {
+            after,
+            last_done: 0,
+            since: Instant::now(),
+            warned: false,
+        }
+    }
+
+    fn check(&mut self, s: &Shared, layout: &Layout, posted: u64) {
+        let ctrl = s.region.ctrl();
+        let done = ctrl.done().load(Ordering::Acquire);
+        let published = ctrl.seq().load(Ordering::Acquire);
+        if done != self.last_done || published <= done {
+            self.last_done = done;
+            self.since = Instant::now();
+            self.warned = false;
+            return;
+        }
+        if self.warned || self.since.elapsed() < self.after {
+            return;
+        }
+        self.warned = true;
+        let waiting = done + 1;
+        log::warn!(
+            "arx watchdog: rank {} has waited {:?} on call {waiting} (posted up to {posted}); peers' flags: {}",
+            layout.rank(),
+            self.since.elapsed(),
+            peer_flags(&s.region, layout, waiting)
+        );
+    }
+}
+
+/// "peer q lane l: call s (n x dtype)" for every peer and lane of `seq`.
+pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
+    let p = (seq & 1) as usize;
+    let mut out = Vec::new();
+    for step in 1..layout.world() {
+        let q = (layout.rank() + step) % layout.world();
+        for lane in 0..2 {
+            let f = region
+                .u64_at(layout.flag_offset(p, q, lane))
+                .load(Ordering::Acquire);
+            let (d, n) = flag_call(f);
+            let state = if flag_seq(f) == seq as u32 {
+                "arrived"
+            } else {
+                "missing"
+            };
+            out.push(format!(
+                "peer {q} lane {lane}: {state} (last call {} of this parity, {})",
+                flag_seq(f),
+                crate::dtype::describe_call(d, n)
+            ));
+        }
+    }
+    out.join("; ")
+}
+
+/// Checks that the proxy is healthy; the recorded error otherwise.
+pub(crate) fn check(proxy: &Proxy) -> Result<()> {
+    if let Some(e) = proxy.shared().error() {
+        return Err(e);
+    }
+    if !proxy.alive() {
+        return Err(Error::Proxy("the proxy thread has exited".into()));
+    }
+    Ok(())
+}

@@ -1,0 +1,327 @@
+//! `PeerInfo`: what each rank tells every other rank at start-up, its byte
+//! encoding (little-endian, fixed layout, versioned) and its validation.
+
+use crate::abi;
+use crate::config::FabricKind;
+use crate::error::{Error, Result};
+
+/// Encoded size of a [`PeerInfo`].
+pub const PEER_INFO_BYTES: usize = 128;
+const HOST_BYTES: usize = 64;
+
+/// The element types this build supports, as a bit set of `ARX_DTYPE_*`.
+pub const DTYPE_SET: u32 =
+    (1 << abi::ARX_DTYPE_BF16) | (1 << abi::ARX_DTYPE_F16) | (1 << abi::ARX_DTYPE_F32);
+
+/// One rank's description of itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// `ARX_MAGIC`.
+    pub magic: u32,
+    /// `ARX_ABI_VERSION`.
+    pub abi_version: u32,
+    /// Communicator size as this rank sees it.
+    pub world: u32,
+    /// This rank.
+    pub rank: u32,
+    /// Slot size in bytes (after rounding).
+    pub slot_bytes: u64,
+    /// Supported dtypes (bit set).
+    pub dtype_set: u32,
+    /// Requested fabric.
+    pub fabric: FabricKind,
+    /// Resolved device side (1 host, 2 gpu); informational.
+    pub device: u8,
+    /// Process id, for messages.
+    pub pid: u32,
+    /// Host name (truncated to 64 bytes), to find ranks of one node.
+    pub host: String,
+}
+
+impl PeerInfo {
+    /// This build's info for `rank` of `world`.
+    pub fn local(
+        world: usize,
+        rank: usize,
+        slot_bytes: usize,
+        fabric: FabricKind,
+        device: u8,
+    ) -> Self {
+        let host = mpi::environment::processor_name().unwrap_or_else(|_| "unknown".into());
+        PeerInfo {
+            magic: abi::ARX_MAGIC,
+            abi_version: abi::ARX_ABI_VERSION,
+            world: world as u32,
+            rank: rank as u32,
+            slot_bytes: slot_bytes as u64,
+            dtype_set: DTYPE_SET,
+            fabric,
+            device,
+            pid: std::process::id(),
+            host,
+        }
+    }
+
+    /// Encodes to exactly [`PEER_INFO_BYTES`] bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(PEER_INFO_BYTES);
+        b.extend_from_slice(&self.magic.to_le_bytes());
+        b.extend_from_slice(&self.abi_version.to_le_bytes());
+        b.extend_from_slice(&self.world.to_le_bytes());
+        b.extend_from_slice(&self.rank.to_le_bytes());
+        b.extend_from_slice(&self.slot_bytes.to_le_bytes());
+        b.extend_from_slice(&self.dtype_set.to_le_bytes());
+        b.push(self.fabric.code());
+        b.push(self.device);
+        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(&self.pid.to_le_bytes());
+        let host = self.host.as_bytes();
+        let n = host.len().min(HOST_BYTES);
+        b.extend_from_slice(&host[..n]);
+        b.resize(PEER_INFO_BYTES, 0);
+        b
+    }
+
+    /// Decodes and checks the framing (length, magic, ABI version) so that a
+    /// rank running another build of arx is named clearly.
+    pub fn decode(rank: usize, b: &[u8]) -> Result<Self> {
+        let bad = |what: &'static str, theirs: String, ours: String| Error::Mismatch {
+            what,
+            rank,
+            ours,
+            theirs,
+        };
+        if b.len() != PEER_INFO_BYTES {
+            return Err(bad(
+                "PeerInfo size (another arx build?)",
+                b.len().to_string(),
+                PEER_INFO_BYTES.to_string(),
+            ));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        let magic = u32_at(0);
+        if magic != abi::ARX_MAGIC {
+            return Err(bad(
+                "magic (not an arx peer?)",
+                format!("{magic:#x}"),
+                format!("{:#x}", abi::ARX_MAGIC),
+            ));
+        }
+        let abi_version = u32_at(4);
+        if abi_version != abi::ARX_ABI_VERSION {
+            return Err(bad(
+                "ABI version",
+                abi_version.to_string(),
+                abi::ARX_ABI_VERSION.to_string(),
+            ));
+        }
+        let fabric = FabricKind::from_code(b[28])
+            .ok_or_else(|| bad("fabric code", b[28].to_string(), "0, 1 or 2".into()))?;
+        let host_raw = &b[36..36 + HOST_BYTES];
+        let end = host_raw.iter().position(|&c| c == 0).unwrap_or(HOST_BYTES);
+        Ok(PeerInfo {
+            magic,
+            abi_version,
+            world: u32_at(8),
+            rank: u32_at(12),
+            slot_bytes: u64_at(16),
+            dtype_set: u32_at(24),
+            fabric,
+            device: b[29],
+            pid: u32_at(32),
+            host: String::from_utf8_lossy(&host_raw[..end]).into_owned(),
+        })
+    }
+}
+
+/// Decodes every rank's info and checks that all agree with rank 0 on what
+/// they must share. Every rank runs this on the same data, so every rank
+/// returns the same error.
+pub fn validate(all: &[Vec<u8>]) -> Result<Vec<PeerInfo>> {
+    let infos = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| PeerInfo::decode(r, b))
+        .collect::<Result<Vec<_>>>()?;
+    let first = &infos[0];
+    for (r, p) in infos.iter().enumerate() {
+        let bad = |what: &'static str, theirs: String, ours: String| Error::Mismatch {
+            what,
+            rank: r,
+            ours,
+            theirs,
+        };
+        if p.world as usize != all.len() || p.world != first.world {
+            return Err(bad(
+                "world size",
+                p.world.to_string(),
+                all.len().to_string(),
+            ));
+        }
+        if p.rank as usize != r {
+            return Err(bad("rank number", p.rank.to_string(), r.to_string()));
+        }
+        if p.slot_bytes != first.slot_bytes {
+            return Err(bad(
+                "slot size (ARX_SLOT_BYTES)",
+                p.slot_bytes.to_string(),
+                first.slot_bytes.to_string(),
+            ));
+        }
+        if p.dtype_set != first.dtype_set {
+            return Err(bad(
+                "dtype set",
+                format!("{:#b}", p.dtype_set),
+                format!("{:#b}", first.dtype_set),
+            ));
+        }
+        if p.fabric != first.fabric {
+            return Err(bad(
+                "fabric (ARX_FABRIC)",
+                format!("{:?}", p.fabric),
+                format!("{:?}", first.fabric),
+            ));
+        }
+    }
+    Ok(infos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(rank: usize) -> PeerInfo {
+        PeerInfo {
+            magic: abi::ARX_MAGIC,
+            abi_version: abi::ARX_ABI_VERSION,
+            world: 3,
+            rank: rank as u32,
+            slot_bytes: 1 << 20,
+            dtype_set: DTYPE_SET,
+            fabric: FabricKind::Auto,
+            device: 1,
+            pid: 4242 + rank as u32,
+            host: format!("spark-{rank}"),
+        }
+    }
+
+    fn all(f: impl Fn(usize, &mut PeerInfo)) -> Vec<Vec<u8>> {
+        (0..3)
+            .map(|r| {
+                let mut p = info(r);
+                f(r, &mut p);
+                p.encode()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn round_trip() {
+        for r in 0..3 {
+            let p = info(r);
+            let b = p.encode();
+            assert_eq!(b.len(), PEER_INFO_BYTES);
+            assert_eq!(PeerInfo::decode(r, &b).unwrap(), p);
+        }
+        let mut long = info(0);
+        long.host = "h".repeat(200);
+        assert_eq!(PeerInfo::decode(0, &long.encode()).unwrap().host.len(), 64);
+    }
+
+    #[test]
+    fn agreeing_ranks_validate() {
+        let v = validate(&all(|_, _| {})).unwrap();
+        assert_eq!(v.len(), 3);
+        assert_eq!(v[2].host, "spark-2");
+    }
+
+    fn rejected(f: impl Fn(usize, &mut PeerInfo), what: &str, rank: usize) {
+        match validate(&all(f)) {
+            Err(Error::Mismatch {
+                what: w, rank: r, ..
+            }) => {
+                assert!(w.contains(what), "{w} does not name {what}");
+                assert_eq!(r, rank);
+            }
+            other => panic!("expected a mismatch on {what}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_disagreement_is_named() {
+        rejected(
+            |r, p| {
+                if r == 2 {
+                    p.magic ^= 1
+                }
+            },
+            "magic",
+            2,
+        );
+        rejected(
+            |r, p| {
+                if r == 1 {
+                    p.abi_version += 1
+                }
+            },
+            "ABI version",
+            1,
+        );
+        rejected(
+            |r, p| {
+                if r == 1 {
+                    p.world = 4
+                }
+            },
+            "world size",
+            1,
+        );
+        rejected(
+            |r, p| {
+                if r == 2 {
+                    p.rank = 0
+                }
+            },
+            "rank number",
+            2,
+        );
+        rejected(
+            |r, p| {
+                if r == 2 {
+                    p.slot_bytes = 4096
+                }
+            },
+            "slot size",
+            2,
+        );
+        rejected(
+            |r, p| {
+                if r == 1 {
+                    p.dtype_set = 1 << abi::ARX_DTYPE_F32
+                }
+            },
+            "dtype set",
+            1,
+        );
+        rejected(
+            |r, p| {
+                if r == 1 {
+                    p.fabric = FabricKind::Verbs
+                }
+            },
+            "fabric",
+            1,
+        );
+    }
+
+    #[test]
+    fn short_and_foreign_buffers_are_rejected() {
+        let mut v = all(|_, _| {});
+        v[1].truncate(100);
+        assert!(matches!(validate(&v), Err(Error::Mismatch { rank: 1, .. })));
+        let mut v = all(|_, _| {});
+        v[2][28] = 9;
+        assert!(matches!(validate(&v), Err(Error::Mismatch { rank: 2, .. })));
+    }
+}
