@@ -148,19 +148,19 @@ mod tests {
 
     #[test]
     fn rank_order_is_the_order() {
-        // In f32, (1e8 + 1) - 1e8 = 0 but 1e8 + (1 - 1e8) = 1: the order matters
+        // In f32, (1e8 - 1e8) + 1 = 1 but (1 + 1e8) - 1e8 = 0: the order matters
         // and must be the rank order.
         let a = 1e8f32.to_le_bytes();
         let b = 1f32.to_le_bytes();
         let c = (-1e8f32).to_le_bytes();
         let mut out = [0f32; 1];
-        let p = [&a[..], &b[..], &c[..]];
+        let p = [&a[..], &c[..], &b[..]];
         sum_in_rank_order::<f32>(3, |r| p[r], &mut out);
-        assert_eq!(out[0], (1e8f32 + 1.0) + -1e8);
+        assert_eq!(out[0], 1.0);
         let mut out2 = [0f32; 1];
-        let p2 = [&b[..], &c[..], &a[..]];
+        let p2 = [&b[..], &a[..], &c[..]];
         sum_in_rank_order::<f32>(3, |r| p2[r], &mut out2);
-        assert_eq!(out2[0], (1f32 + -1e8) + 1e8);
+        assert_eq!(out2[0], 0.0);
         assert_ne!(out[0], out2[0]);
     }
 

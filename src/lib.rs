@@ -76,6 +76,7 @@ mod layout;
 mod proxy;
 mod spin;
 pub mod topology;
+pub mod verify;
 mod wire;
 
 use std::sync::atomic::Ordering;

@@ -1,1 +1,504 @@
-fn main() {}
+//! MPI tests of arx (a `harness = false` test).
+//!
+//! Run by `cargo test`, this program re-launches itself under `mpirun` for
+//! every rank count in `ARX_TEST_RANKS` (default `2,3,4,8`, oversubscribed),
+//! bounds each run's time, and fails if any run fails. Under mpirun (the
+//! child, marked by `ARX_TEST_CHILD=1`) every rank runs the cases below; the
+//! fabric and device side come from the environment (`ARX_FABRIC`, ...), so
+//! the same cases run over Shm here and over Verbs in the soft-RoCE VM.
+//!
+//! Every check is made on every rank: inputs are seeded per rank, every rank
+//! computes the expected sum independently, outputs are poisoned before each
+//! call, and the ranks' digests of every result are compared.
+
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use arx::{verify, Arx, Element, Error, FabricKind};
+use half::{bf16, f16};
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+const SEED: u64 = 0x5eed_a2c0;
+
+fn main() -> ExitCode {
+    if std::env::var_os("ARX_TEST_CHILD").is_some() {
+        child()
+    } else {
+        parent()
+    }
+}
+
+// ------------------------------------------------------------------ parent
+
+fn parent() -> ExitCode {
+    let ranks: Vec<usize> = std::env::var("ARX_TEST_RANKS")
+        .unwrap_or_else(|_| "2,3,4,8".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let limit = Duration::from_secs(
+        std::env::var("ARX_TEST_RUN_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(600),
+    );
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let mut failed = Vec::new();
+    for &n in &ranks {
+        let start = Instant::now();
+        println!("mpi test: {n} ranks ...");
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["-n", &n.to_string(), "--oversubscribe"]);
+        // SAFETY-free check of root: mpirun refuses root without this flag.
+        if unsafe_is_root() {
+            cmd.arg("--allow-run-as-root");
+        }
+        // Open MPI: quiet about missing high-speed transports on CI machines.
+        cmd.args(["--mca", "btl", "self,vader,tcp"]);
+        cmd.arg(&exe)
+            .env("ARX_TEST_CHILD", "1")
+            .stdin(Stdio::null());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("mpi test: cannot start mpirun ({e}); install Open MPI (scripts/setup)");
+                return ExitCode::FAILURE;
+            }
+        };
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if start.elapsed() > limit => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => {
+                    eprintln!("mpi test: waiting for mpirun: {e}");
+                    break None;
+                }
+            }
+        };
+        match status {
+            Some(s) if s.success() => {
+                println!("mpi test: {n} ranks passed in {:.1?}", start.elapsed())
+            }
+            Some(s) => {
+                println!("mpi test: {n} ranks FAILED ({s})");
+                failed.push(n);
+            }
+            None => {
+                println!("mpi test: {n} ranks FAILED (killed after {limit:?})");
+                failed.push(n);
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("mpi test: all rank counts passed: {ranks:?}");
+        ExitCode::SUCCESS
+    } else {
+        println!("mpi test: failed for rank counts {failed:?}");
+        ExitCode::FAILURE
+    }
+}
+
+fn unsafe_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+// ------------------------------------------------------------------ child
+
+struct Ctx<'a> {
+    world: &'a SimpleCommunicator,
+    rank: usize,
+    n: usize,
+}
+
+type Case = fn(&Ctx) -> Result<(), String>;
+
+fn child() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let universe = mpi::initialize().expect("MPI initialises once");
+    let world = universe.world();
+    let ctx = Ctx {
+        world: &world,
+        rank: world.rank() as usize,
+        n: world.size() as usize,
+    };
+    let cases: &[(&str, Case)] = &[
+        ("every dtype and length, bit for bit", correctness),
+        ("in place", in_place),
+        ("burst of mixed sizes and dtypes", burst),
+        ("two instances side by side", two_instances),
+        ("one rank configured differently", config_mismatch),
+        ("one rank calls with another length", length_mismatch),
+        ("one rank calls with another dtype", dtype_mismatch),
+        ("one rank's call is too long", too_long),
+        ("one rank stops calling", rank_stops),
+        ("one rank never arrives at start-up", bootstrap_timeout),
+    ];
+    let mut all_ok = true;
+    for (name, case) in cases {
+        let t = Instant::now();
+        let local = case(&ctx);
+        if let Err(e) = &local {
+            eprintln!("rank {}: case '{name}' FAILED: {e}", ctx.rank);
+        }
+        let mut failures = 0u32;
+        world.all_reduce_into(
+            &u32::from(local.is_err()),
+            &mut failures,
+            SystemOperation::sum(),
+        );
+        if ctx.rank == 0 {
+            let verdict = if failures == 0 {
+                "ok".to_string()
+            } else {
+                format!("FAILED on {failures} rank(s)")
+            };
+            println!(
+                "  [{} ranks] {name}: {verdict} ({:.2?})",
+                ctx.n,
+                t.elapsed()
+            );
+        }
+        all_ok &= failures == 0;
+        world.barrier();
+    }
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn builder() -> arx::Builder {
+    // A small slot keeps 8 oversubscribed ranks quick; the fabric comes from
+    // the environment (ARX_FABRIC) so CI's VM runs these over Verbs.
+    let timeout = std::env::var("ARX_TIMEOUT_MS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_000);
+    Arx::builder()
+        .slot_bytes(64 << 10)
+        .timeout(Duration::from_millis(timeout))
+}
+
+/// Gathers a digest from every rank and checks they are all equal.
+fn same_everywhere(ctx: &Ctx, d: u64) -> Result<(), String> {
+    let mut all = vec![0u64; ctx.n];
+    ctx.world.all_gather_into(&d, &mut all[..]);
+    if all.iter().all(|&x| x == d) {
+        Ok(())
+    } else {
+        Err(format!("result digests differ between ranks: {all:x?}"))
+    }
+}
+
+/// One checked call: seeded input, poisoned output, reference, digest.
+fn checked<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    call: u64,
+    count: usize,
+    in_place: bool,
+) -> Result<(), String> {
+    let input = verify::input::<T>(SEED, call, ctx.rank, count);
+    let want = verify::expected::<T>(SEED, call, ctx.n, count);
+    let mut out = vec![T::from_f32(0.0); count];
+    let r = if in_place {
+        out.copy_from_slice(&input);
+        arx.allreduce_host_in_place(&mut out)
+    } else {
+        verify::poison(&mut out);
+        arx.allreduce_host(&input, &mut out)
+    };
+    r.map_err(|e| format!("call {call} ({count} x {:?}): {e}", T::DTYPE))?;
+    let wrong = verify::count_wrong(&out, &want);
+    if wrong != 0 {
+        let i = (0..count)
+            .find(|&i| bytemuck::bytes_of(&out[i]) != bytemuck::bytes_of(&want[i]))
+            .unwrap_or(0);
+        return Err(format!(
+            "call {call} ({count} x {:?}): {wrong} wrong; first at {i}: got {} want {}",
+            T::DTYPE,
+            out[i].to_f32(),
+            want[i].to_f32()
+        ));
+    }
+    same_everywhere(ctx, verify::digest(&out))
+}
+
+fn lengths(max: usize) -> Vec<usize> {
+    let mut v = vec![
+        1,
+        2,
+        3,
+        7,
+        8,
+        9,
+        15,
+        16,
+        17,
+        31,
+        33,
+        63,
+        100,
+        255,
+        257,
+        1000,
+        4095,
+        4097,
+        max - 1,
+        max,
+    ];
+    v.retain(|&l| l >= 1 && l <= max);
+    v
+}
+
+fn correctness(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let mut call = 0;
+    for count in lengths(arx.max_count::<bf16>()) {
+        call += 1;
+        checked::<bf16>(ctx, &mut arx, call, count, false)?;
+    }
+    for count in lengths(arx.max_count::<f16>()) {
+        call += 1;
+        checked::<f16>(ctx, &mut arx, call, count, false)?;
+    }
+    for count in lengths(arx.max_count::<f32>()) {
+        call += 1;
+        checked::<f32>(ctx, &mut arx, call, count, false)?;
+    }
+    Ok(())
+}
+
+fn in_place(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    for (i, count) in [1usize, 17, 1000, 4097].into_iter().enumerate() {
+        let c = 100 + 3 * i as u64;
+        checked::<bf16>(ctx, &mut arx, c, count, true)?;
+        checked::<f16>(ctx, &mut arx, c + 1, count, true)?;
+        checked::<f32>(ctx, &mut arx, c + 2, count, true)?;
+    }
+    Ok(())
+}
+
+fn burst(ctx: &Ctx) -> Result<(), String> {
+    use rand::{Rng, SeedableRng};
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    // The same sequence of (dtype, length) on every rank.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(SEED);
+    let calls = if ctx.n > 4 { 60 } else { 150 };
+    for call in 0..calls {
+        let in_place = rng.gen_bool(0.25);
+        let (max16, max32) = (arx.max_count::<bf16>(), arx.max_count::<f32>());
+        match rng.gen_range(0..3) {
+            0 => checked::<bf16>(
+                ctx,
+                &mut arx,
+                1000 + call,
+                rng.gen_range(1..=max16),
+                in_place,
+            )?,
+            1 => checked::<f16>(
+                ctx,
+                &mut arx,
+                1000 + call,
+                rng.gen_range(1..=2048),
+                in_place,
+            )?,
+            _ => checked::<f32>(
+                ctx,
+                &mut arx,
+                1000 + call,
+                rng.gen_range(1..=max32),
+                in_place,
+            )?,
+        }
+    }
+    Ok(())
+}
+
+fn two_instances(ctx: &Ctx) -> Result<(), String> {
+    let mut a = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let mut b = builder()
+        .slot_bytes(8192)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    for call in 0..10 {
+        checked::<f32>(ctx, &mut a, 2000 + call, 3000, false)?;
+        checked::<bf16>(ctx, &mut b, 3000 + call, 4096, call % 2 == 0)?;
+    }
+    Ok(())
+}
+
+/// Expects an error on this rank; `ok` says which errors are right.
+fn expect_err(what: &str, r: arx::Result<()>, ok: impl Fn(&Error) -> bool) -> Result<(), String> {
+    match r {
+        Ok(()) => Err(format!("{what}: expected an error, got Ok")),
+        Err(e) if ok(&e) => Ok(()),
+        Err(e) => Err(format!("{what}: unexpected error: {e}")),
+    }
+}
+
+fn config_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.rank == ctx.n - 1;
+    let b = if odd {
+        builder().slot_bytes(128 << 10)
+    } else {
+        builder()
+    };
+    let t = Instant::now();
+    let r = b.build(ctx.world).map(|_| ());
+    expect_err(
+        "mismatched slot size",
+        r,
+        |e| matches!(e, Error::Mismatch { what, rank, .. } if what.contains("slot") && *rank == ctx.n - 1),
+    )?;
+    // A fabric mismatch is named too.
+    let b = if odd {
+        builder().fabric(FabricKind::Verbs)
+    } else {
+        builder().fabric(FabricKind::Shm)
+    };
+    let r = b.build(ctx.world).map(|_| ());
+    expect_err(
+        "mismatched fabric",
+        r,
+        |e| matches!(e, Error::Mismatch { what, .. } if what.contains("fabric")),
+    )?;
+    if t.elapsed() > Duration::from_secs(30) {
+        return Err(format!("mismatch detection took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+fn length_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 100, false)?;
+    let count = if ctx.rank == ctx.n - 1 { 101 } else { 100 };
+    let input = verify::input::<f32>(SEED, 2, ctx.rank, count);
+    let mut out = vec![0f32; count];
+    let r = arx.allreduce_host(&input, &mut out);
+    let last = ctx.n - 1;
+    expect_err("length mismatch", r, |e| match e {
+        Error::CallMismatch {
+            peer, theirs, ours, ..
+        } => {
+            if ctx.rank == last {
+                ours.contains("101") && theirs.contains("100")
+            } else {
+                *peer == last && theirs.contains("101")
+            }
+        }
+        // Ranks that did not look at the odd rank's flag first may time out
+        // only if they saw no mismatch at all; that is a failure.
+        _ => false,
+    })?;
+    // The instance stays failed: the next call returns the error again.
+    expect_err(
+        "call after failure",
+        arx.allreduce_host(&input, &mut out),
+        |_| true,
+    )
+}
+
+fn dtype_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let r = if ctx.rank == 0 {
+        let i = verify::input::<f16>(SEED, 1, ctx.rank, 64);
+        arx.allreduce_host(&i, &mut vec![f16::ZERO; 64])
+    } else {
+        let i = verify::input::<bf16>(SEED, 1, ctx.rank, 64);
+        arx.allreduce_host(&i, &mut vec![bf16::ZERO; 64])
+    };
+    expect_err("dtype mismatch", r, |e| match e {
+        Error::CallMismatch { theirs, ours, .. } => {
+            if ctx.rank == 0 {
+                ours.contains("half") && theirs.contains("bfloat16")
+            } else {
+                theirs.contains("half")
+            }
+        }
+        _ => false,
+    })
+}
+
+fn too_long(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let max = arx.max_count::<f32>();
+    let count = if ctx.rank == 1 { max + 1 } else { max };
+    let input = verify::input::<f32>(SEED, 1, ctx.rank, count);
+    let mut out = vec![0f32; count];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    expect_err("too long on rank 1", r, |e| match e {
+        Error::InvalidArgument(m) => ctx.rank == 1 && m.contains("exceed"),
+        Error::CallMismatch { peer, theirs, .. } => {
+            ctx.rank != 1 && *peer == 1 && theirs.contains("refused")
+        }
+        _ => false,
+    })?;
+    // Refused at once, not by a timeout.
+    if t.elapsed() > arx.config().timeout / 2 {
+        return Err(format!("the refusal took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+fn rank_stops(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1500);
+    let mut arx = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    checked::<bf16>(ctx, &mut arx, 1, 512, false)?;
+    if ctx.rank == ctx.n - 1 {
+        return Ok(()); // this rank stops calling
+    }
+    let input = verify::input::<bf16>(SEED, 2, ctx.rank, 512);
+    let mut out = vec![bf16::ZERO; 512];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    let waited = t.elapsed();
+    let last = ctx.n - 1;
+    expect_err(
+        "peer stopped",
+        r,
+        |e| matches!(e, Error::Timeout { detail, .. } if detail.contains(&format!("peer {last} lane 0: missing"))),
+    )?;
+    if waited < timeout || waited > timeout + Duration::from_secs(5) {
+        return Err(format!(
+            "timed out after {waited:?}, configured {timeout:?}"
+        ));
+    }
+    Ok(())
+}
+
+fn bootstrap_timeout(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1500);
+    let late = ctx.rank == ctx.n - 1;
+    if late {
+        // Arrive after everyone else gave up, so that MPI's collectives on
+        // the world communicator still match afterwards.
+        std::thread::sleep(timeout + Duration::from_millis(1500));
+    }
+    let t = Instant::now();
+    let r = builder().timeout(timeout).build(ctx.world).map(|_| ());
+    let waited = t.elapsed();
+    expect_err("bootstrap with a missing rank", r, |e| {
+        matches!(e, Error::Timeout { .. })
+    })?;
+    if waited > timeout + Duration::from_secs(5) {
+        return Err(format!(
+            "start-up gave up after {waited:?}, configured {timeout:?}"
+        ));
+    }
+    Ok(())
+}
