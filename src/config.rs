@@ -120,8 +120,10 @@ pub struct Config {
     pub stall_warn: Duration,
     /// CPU spin policy (`ARX_SPIN`).
     pub spin: SpinMode,
-    /// Hot polls before yielding (`ARX_SPIN_HOT`).
-    pub spin_hot: u32,
+    /// Hot polls before yielding (`ARX_SPIN_HOT`). Unset: chosen at start-up
+    /// (few when the node's ranks and proxies outnumber its cores, many
+    /// otherwise).
+    pub spin_hot: Option<u32>,
     /// GPU send-slot staging (`ARX_STAGING`).
     pub staging: Staging,
     /// RDMA devices for lane 0 and lane 1 (`ARX_DEVICES=dev0,dev1`).
@@ -221,6 +223,22 @@ pub fn parse_bytes(name: &'static str, s: &str) -> Result<usize> {
 }
 
 impl Config {
+    /// Hot polls before yielding, given how many ranks share this node.
+    pub(crate) fn hot_rounds(&self, local_ranks: usize) -> u32 {
+        if let Some(h) = self.spin_hot {
+            return h;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // Each rank runs two spinning threads (caller and proxy). When they
+        // outnumber the cores, spinning only delays the thread that would
+        // make progress: yield almost at once.
+        if 2 * local_ranks > cores {
+            64
+        } else {
+            20_000
+        }
+    }
+
     /// Resolves the settings from builder overrides and the process environment.
     pub(crate) fn resolve(o: &Overrides) -> Result<Self> {
         Self::resolve_with(o, |k| std::env::var(k).ok())
@@ -276,8 +294,7 @@ impl Config {
             env_var(&get, "ARX_SPIN", str::parse)?,
             SpinMode::Adaptive,
         );
-        let spin_hot =
-            env_var(&get, "ARX_SPIN_HOT", number::<u32>("ARX_SPIN_HOT"))?.unwrap_or(4000);
+        let spin_hot = env_var(&get, "ARX_SPIN_HOT", number::<u32>("ARX_SPIN_HOT"))?;
         let staging = pick(
             o.staging,
             env_var(&get, "ARX_STAGING", str::parse)?,

@@ -68,6 +68,43 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Rounds an f32 to this type (round to nearest even).
     fn from_f32(v: f32) -> Self;
+    /// Widens `src` (raw bytes of `dst.len()` elements) into `dst`.
+    fn widen(src: &[u8], dst: &mut [f32]) {
+        for (d, e) in dst
+            .iter_mut()
+            .zip(src.chunks_exact(std::mem::size_of::<Self>()))
+        {
+            *d = bytemuck::pod_read_unaligned::<Self>(e).to_f32();
+        }
+    }
+    /// Rounds `src` into `dst`.
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = Self::from_f32(*s);
+        }
+    }
+}
+
+/// Slice conversions through `half`'s vectorised paths (F16C, NEON fp16)
+/// when the bytes are aligned, which received slots always are.
+macro_rules! half_slices {
+    () => {
+        fn widen(src: &[u8], dst: &mut [f32]) {
+            use half::slice::HalfFloatSliceExt;
+            match bytemuck::try_cast_slice::<u8, Self>(src) {
+                Ok(h) => h.convert_to_f32_slice(dst),
+                Err(_) => {
+                    for (d, e) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                        *d = bytemuck::pod_read_unaligned::<Self>(e).to_f32();
+                    }
+                }
+            }
+        }
+        fn narrow(src: &[f32], dst: &mut [Self]) {
+            use half::slice::HalfFloatSliceExt;
+            dst.convert_from_f32_slice(src);
+        }
+    };
 }
 
 impl Element for bf16 {
@@ -78,6 +115,7 @@ impl Element for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
+    half_slices!();
 }
 
 impl Element for f16 {
@@ -88,6 +126,7 @@ impl Element for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
+    half_slices!();
 }
 
 impl Element for f32 {
@@ -111,26 +150,22 @@ pub(crate) fn sum_in_rank_order<'a, T: Element>(
     out: &mut [T],
 ) {
     const BLOCK: usize = 512;
+    let size = std::mem::size_of::<T>();
     let mut acc = [0.0f32; BLOCK];
+    let mut wide = [0.0f32; BLOCK];
     for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
-        let base = b * BLOCK;
-        let acc = &mut acc[..chunk.len()];
+        let base = b * BLOCK * size;
+        let n = chunk.len();
+        let acc = &mut acc[..n];
+        let wide = &mut wide[..n];
         acc.fill(0.0);
         for r in 0..world {
-            let bytes = &part(r)
-                [base * std::mem::size_of::<T>()..(base + chunk.len()) * std::mem::size_of::<T>()];
-            // Received slots are page-aligned and T-aligned offsets, but be
-            // robust to any alignment: read unaligned element by element.
-            for (a, e) in acc
-                .iter_mut()
-                .zip(bytes.chunks_exact(std::mem::size_of::<T>()))
-            {
-                *a += bytemuck::pod_read_unaligned::<T>(e).to_f32();
+            T::widen(&part(r)[base..base + n * size], wide);
+            for (a, w) in acc.iter_mut().zip(wide.iter()) {
+                *a += *w;
             }
         }
-        for (o, a) in chunk.iter_mut().zip(acc.iter()) {
-            *o = T::from_f32(*a);
-        }
+        T::narrow(acc, chunk);
     }
 }
 

@@ -248,6 +248,9 @@ impl Arx {
         );
         let infos = wire::validate(&boot.all_gather_bytes("PeerInfo", &me.encode())?)?;
         let one_node = infos.iter().all(|p| p.host == infos[0].host);
+        let local_ranks = infos.iter().filter(|p| p.host == infos[rank].host).count();
+        let mut cfg = cfg;
+        cfg.spin_hot = Some(cfg.hot_rounds(local_ranks));
         let fabric_kind = match cfg.fabric {
             FabricKind::Auto if one_node => FabricKind::Shm,
             FabricKind::Auto => FabricKind::Verbs,

@@ -21,16 +21,75 @@ use crate::fabric::Fabric;
 use crate::layout::{flag_call, flag_seq, Layout, Region};
 use crate::spin::Backoff;
 
+/// The fabric and how far it has posted. Whoever holds the lock posts every
+/// published seq in order: the proxy thread always may, and the Host device
+/// side does so right after publishing (saving a thread handoff).
+struct Engine {
+    fabric: Box<dyn Fabric>,
+    posted: u64,
+}
+
 /// State shared by the proxy thread and the caller.
 pub(crate) struct Shared {
     pub region: Arc<Region>,
     stop: AtomicBool,
+    failed: AtomicBool,
     error: Mutex<Option<Error>>,
+    engine: Mutex<Engine>,
 }
 
 impl Shared {
+    /// Posts every published seq not yet posted, then reaps completions.
+    /// Returns true if it posted anything. `wait` false: skip if another
+    /// thread is pumping.
+    pub fn pump(&self, wait: bool) -> bool {
+        let mut g = match if wait {
+            Ok(self.engine.lock().unwrap_or_else(|e| e.into_inner()))
+        } else {
+            self.engine.try_lock()
+        } {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        let ctrl = self.region.ctrl();
+        let published = ctrl.seq().load(Ordering::Acquire);
+        let mut busy = false;
+        while g.posted < published && !self.failed.load(Ordering::Acquire) {
+            let seq = g.posted + 1;
+            // meta[p] of seq stays until seq+2 is published, which cannot
+            // happen before this post reached every peer.
+            let flag = ctrl.meta((seq & 1) as usize).load(Ordering::Acquire);
+            let (dtype, count) = flag_call(flag);
+            let bytes = count * crate::dtype::Dtype::from_code(dtype).map_or(0, |d| d.size());
+            if let Err(e) = g.fabric.post(seq, bytes, flag) {
+                self.record(e);
+                break;
+            }
+            g.posted = seq;
+            busy = true;
+        }
+        if let Err(e) = g.fabric.progress() {
+            self.record(e);
+        }
+        busy
+    }
+
+    /// True once everything published was posted and completed.
+    fn drained(&self) -> bool {
+        let g = self.engine.lock().unwrap_or_else(|e| e.into_inner());
+        g.posted >= self.region.ctrl().seq().load(Ordering::Acquire) && g.fabric.quiescent()
+    }
+
+    fn posted(&self) -> u64 {
+        self.engine.lock().unwrap_or_else(|e| e.into_inner()).posted
+    }
+
     /// The error the proxy recorded, if any.
     pub fn error(&self) -> Option<Error> {
+        if !self.failed.load(Ordering::Acquire) {
+            return None;
+        }
         self.error.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -40,6 +99,7 @@ impl Shared {
             log::error!("arx proxy: {e}");
             *g = Some(e);
         }
+        self.failed.store(true, Ordering::Release);
         self.region.ctrl().abort().store(1, Ordering::Release);
     }
 }
@@ -63,7 +123,9 @@ impl Proxy {
         let shared = Arc::new(Shared {
             region,
             stop: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
             error: Mutex::new(None),
+            engine: Mutex::new(Engine { fabric, posted: 0 }),
         });
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
@@ -75,7 +137,7 @@ impl Proxy {
                         log::warn!("arx proxy: could not pin to CPU {cpu}: {e}");
                     }
                 }
-                run(fabric, &s, layout, &cfg2)
+                run(&s, layout, &cfg2)
             })
             .map_err(|e| Error::Os {
                 call: "thread spawn",
@@ -121,47 +183,25 @@ impl Drop for Proxy {
     }
 }
 
-fn run(mut fabric: Box<dyn Fabric>, s: &Shared, layout: Layout, cfg: &Config) {
-    let ctrl = s.region.ctrl();
-    let mut posted = 0u64;
-    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot);
+fn run(s: &Shared, layout: Layout, cfg: &Config) {
+    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
     let mut watch = Watchdog::new(cfg.stall_warn);
     let mut stop_at: Option<Instant> = None;
     loop {
-        let published = ctrl.seq().load(Ordering::Acquire);
-        let mut busy = false;
-        while posted < published && s.error().is_none() {
-            let seq = posted + 1;
-            // meta[p] of seq stays until seq+2 is published, which cannot
-            // happen before this post reached every peer.
-            let flag = ctrl.meta((seq & 1) as usize).load(Ordering::Acquire);
-            let (dtype, count) = flag_call(flag);
-            let bytes = count * crate::dtype::Dtype::from_code(dtype).map_or(0, |d| d.size());
-            if let Err(e) = fabric.post(seq, bytes, flag) {
-                s.record(e);
-                break;
-            }
-            posted = seq;
-            busy = true;
-        }
-        if let Err(e) = fabric.progress() {
-            s.record(e);
-        }
+        let busy = s.pump(false);
         if s.stop.load(Ordering::Acquire) {
-            // Drain: everything published is posted (above); wait for local
+            // Drain: post everything published and wait for local
             // completions so peers get their last flags, within the timeout.
             let t = *stop_at.get_or_insert_with(Instant::now);
-            if (posted >= published && fabric.quiescent())
-                || s.error().is_some()
-                || t.elapsed() > cfg.timeout
-            {
-                if t.elapsed() > cfg.timeout {
-                    log::warn!("arx proxy: stopped before every send completed");
-                }
+            if s.drained() || s.failed.load(Ordering::Acquire) {
+                return;
+            }
+            if t.elapsed() > cfg.timeout {
+                log::warn!("arx proxy: stopped before every send completed");
                 return;
             }
         }
-        watch.check(s, &layout, posted);
+        watch.check(s, &layout);
         if busy {
             backoff.reset();
         } else {
@@ -188,7 +228,7 @@ impl Watchdog {
         }
     }
 
-    fn check(&mut self, s: &Shared, layout: &Layout, posted: u64) {
+    fn check(&mut self, s: &Shared, layout: &Layout) {
         let ctrl = s.region.ctrl();
         let done = ctrl.done().load(Ordering::Acquire);
         let published = ctrl.seq().load(Ordering::Acquire);
@@ -204,9 +244,10 @@ impl Watchdog {
         self.warned = true;
         let waiting = done + 1;
         log::warn!(
-            "arx watchdog: rank {} has waited {:?} on call {waiting} (posted up to {posted}); peers' flags: {}",
+            "arx watchdog: rank {} has waited {:?} on call {waiting} (posted up to {}); peers' flags: {}",
             layout.rank(),
             self.since.elapsed(),
+            s.posted(),
             peer_flags(&s.region, layout, waiting)
         );
     }

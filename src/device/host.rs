@@ -39,10 +39,13 @@ pub(crate) fn allreduce<T: Element>(
     region.write(layout.send_offset(p), src);
     ctrl.meta(p).store(flag, Ordering::Relaxed);
     ctrl.seq().store(seq, Ordering::Release);
+    // Post it from this thread rather than waking the proxy (same order:
+    // posting is serialised by the engine lock).
+    shared.pump(true);
 
     // 2. Wait for both lanes of every peer, bounded.
     let start = Instant::now();
-    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot);
+    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
     for step in 1..world {
         let q = (me + step) % world;
         for lane in 0..2 {
@@ -62,6 +65,9 @@ pub(crate) fn allreduce<T: Element>(
                     }
                     break;
                 }
+                // Keep our own sends moving (verbs completions, a full send
+                // queue) while waiting.
+                shared.pump(false);
                 if ctrl.aborted() {
                     return Err(shared.error().unwrap_or_else(|| Error::Kernel {
                         seq,
