@@ -91,7 +91,10 @@ impl Bootstrap {
         let rank = comm.rank() as usize;
         // MPI writes the new handle when the request completes, possibly
         // after a timeout made us give up: keep it on the heap, leaked then.
-        let dup: *mut ffi::MPI_Comm = Box::into_raw(Box::new(unsafe { ffi::RSMPI_COMM_NULL }));
+        // SAFETY: reading MPI's predefined null handle.
+        let null = unsafe { ffi::RSMPI_COMM_NULL };
+        let dup: *mut ffi::MPI_Comm = Box::into_raw(Box::new(null));
+        // SAFETY: as above.
         let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `dup` outlives the request (freed only after completion).
         let handle = unsafe {
@@ -128,14 +131,6 @@ impl Bootstrap {
     pub fn world(&self) -> usize {
         self.world
     }
-    /// The bound on each collective.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-    /// The private duplicate communicator.
-    pub fn comm(&self) -> &SimpleCommunicator {
-        &self.comm
-    }
 
     /// All-gathers `len` bytes from each rank (every rank passes `len`).
     fn all_gather_fixed(&self, what: &'static str, local: &[u8], len: usize) -> Result<Vec<u8>> {
@@ -144,6 +139,7 @@ impl Bootstrap {
         let recv = vec![0u8; len * self.world].into_boxed_slice();
         let send = Box::into_raw(send);
         let recv = Box::into_raw(recv);
+        // SAFETY: reading MPI's predefined null request.
         let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
         let rank = self.rank;
         // SAFETY: both buffers are heap allocations that we free only after

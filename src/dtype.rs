@@ -160,7 +160,7 @@ pub(crate) fn sum_in_rank_order<'a, T: Element>(
         let wide = &mut wide[..n];
         acc.fill(0.0);
         for r in 0..world {
-            T::widen(&part(r)[base..base + n * size], wide);
+            T::widen(&part(r)[base..base + std::mem::size_of_val(chunk)], wide);
             for (a, w) in acc.iter_mut().zip(wide.iter()) {
                 *a += *w;
             }

@@ -413,10 +413,10 @@ fn dtype_mismatch(ctx: &Ctx) -> Result<(), String> {
     let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
     let r = if ctx.rank == 0 {
         let i = verify::input::<f16>(SEED, 1, ctx.rank, 64);
-        arx.allreduce_host(&i, &mut vec![f16::ZERO; 64])
+        arx.allreduce_host(&i, &mut [f16::ZERO; 64])
     } else {
         let i = verify::input::<bf16>(SEED, 1, ctx.rank, 64);
-        arx.allreduce_host(&i, &mut vec![bf16::ZERO; 64])
+        arx.allreduce_host(&i, &mut [bf16::ZERO; 64])
     };
     expect_err("dtype mismatch", r, |e| match e {
         Error::CallMismatch { theirs, ours, .. } => {
