@@ -124,15 +124,20 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
             d.world, d.device, d.fabric, d.fabric_detail, d.slot_bytes
         );
         println!(
-            "# memory per rank, fixed at start-up: {} B mapped ({} shared/pinned region); nothing is allocated per call",
+            "# memory per rank, fixed at start-up: {} B mapped ({}); nothing is allocated per call",
             d.region_bytes,
-            if d.fabric == "shm" { "POSIX shared" } else { "registered" }
+            if d.fabric == "shm" {
+                "POSIX shared memory"
+            } else {
+                "registered, pinned"
+            }
         );
         println!(
             "# MPI library: {}",
             mpi::environment::library_version()
                 .unwrap_or_default()
-                .lines()
+                .trim_end_matches('\0')
+                .split(',')
                 .next()
                 .unwrap_or("?")
         );

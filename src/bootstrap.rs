@@ -12,6 +12,7 @@
 //! report the error and end.
 
 use std::ffi::c_int;
+use std::mem::ManuallyDrop;
 use std::time::{Duration, Instant};
 
 use mpi::ffi;
@@ -23,7 +24,9 @@ use crate::spin::Backoff;
 
 /// The bootstrap channel of one instance.
 pub struct Bootstrap {
-    comm: SimpleCommunicator,
+    // Freed in Drop only while MPI is still initialised: an instance dropped
+    // after MPI_Finalize must not call MPI.
+    comm: ManuallyDrop<SimpleCommunicator>,
     rank: usize,
     world: usize,
     timeout: Duration,
@@ -114,7 +117,7 @@ impl Bootstrap {
         };
         // SAFETY: `handle` is a live intra-communicator we own from here on;
         // SimpleCommunicator frees it on drop.
-        let comm = unsafe { SimpleCommunicator::from_raw(handle) };
+        let comm = ManuallyDrop::new(unsafe { SimpleCommunicator::from_raw(handle) });
         Ok(Bootstrap {
             comm,
             rank,
@@ -219,5 +222,16 @@ impl Bootstrap {
             }
         }
         local
+    }
+}
+
+impl Drop for Bootstrap {
+    fn drop(&mut self) {
+        if mpi::environment::is_finalized() {
+            log::debug!("arx: MPI already finalized; not freeing the duplicate communicator");
+            return;
+        }
+        // SAFETY: dropped exactly once, here.
+        unsafe { ManuallyDrop::drop(&mut self.comm) };
     }
 }
