@@ -1658,6 +1658,72 @@ mod tests {
     }
 
     #[test]
+    fn hwloc_xml_supplies_cpu_kinds_and_confirms_roots() {
+        let xml = fixture("gb10.xml");
+        let root = fixture("spark_nokinds");
+        let d = discover_in(&root, HwlocSource::Xml(&xml)).unwrap();
+        assert_eq!(d.cpus.big, [5, 6, 7, 8, 9, 15, 16, 17, 18, 19]);
+        assert!(d.cpus.big_source.contains("hwloc"), "{}", d.cpus.big_source);
+        for dev in &d.devices {
+            assert_eq!(dev.hwloc_root.as_deref(), Some(dev.root.as_str()));
+        }
+        // Main thread on 19, bound to the big cores: hwloc's kinds keep the
+        // proxy on a big core; sysfs alone (no kinds here) cannot.
+        let me = ThreadCpus {
+            current: Some(19),
+            bound: Some(vec![5, 6, 7, 8, 9, 15, 16, 17, 18, 19]),
+        };
+        let cfg = cfg_with(&[]);
+        let with = select_in(&root, HwlocSource::Xml(&xml), &cfg, &me).unwrap();
+        assert_eq!(with.proxy_cpu, Some(18), "{:#?}", with.notes);
+        assert_eq!(with.warnings().count(), 0, "{:#?}", with.notes);
+        let without = select_in(&root, HwlocSource::Off, &cfg, &me).unwrap();
+        assert_eq!(without.proxy_cpu, Some(14), "{:#?}", without.notes);
+        assert_eq!(with.lanes, without.lanes);
+    }
+
+    #[test]
+    fn hwloc_root_disagreement_is_reported() {
+        // hwloc (the GB10 XML) lists OpenFabrics devices that this sysfs
+        // tree (two rxe devices) lacks: noted, and sysfs wins.
+        let xml = fixture("gb10.xml");
+        let d = discover_in(&fixture("rxe2"), HwlocSource::Xml(&xml)).unwrap();
+        assert!(
+            d.notes
+                .iter()
+                .any(|n| n.contains("hwloc lists OpenFabrics device rocep1s0f0")),
+            "{:#?}",
+            d.notes
+        );
+    }
+
+    #[test]
+    fn unusable_hwloc_falls_back_to_sysfs() {
+        let s = select_in(
+            &fixture("spark_both"),
+            HwlocSource::Xml(Path::new("/nonexistent/topo.xml")),
+            &cfg_with(&[]),
+            &ThreadCpus::default(),
+        )
+        .unwrap();
+        assert_eq!(names(&s), ["rocep1s0f0", "roceP2p1s0f0"]);
+        assert!(has_note(&s, "hwloc unusable"), "{:#?}", s.notes);
+        assert_eq!(s.proxy_cpu, Some(19));
+    }
+
+    #[test]
+    fn pin_current_thread_binds_or_errs() {
+        let r = std::thread::spawn(|| {
+            let ok = pin_current_thread(0);
+            let bad = pin_current_thread(1 << 20);
+            (ok.is_ok(), bad.is_err())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(r, (true, true));
+    }
+
+    #[test]
     fn no_rdma_stack_or_no_device_is_unavailable() {
         let base = std::env::temp_dir().join(format!("arx-topo-{}", std::process::id()));
         let _ = fs::remove_dir_all(&base);
