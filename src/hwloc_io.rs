@@ -34,7 +34,7 @@ pub(crate) struct HwCpuKind {
 /// What topology needs from hwloc.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct HwTopology {
-    /// hwloc's runtime version (`2.9.0`).
+    /// hwloc's runtime API version (`API 2.8`; hwloc 2.9 has API 2.8).
     pub version: String,
     /// `live` or the XML path.
     pub source: String,
@@ -243,7 +243,7 @@ pub(crate) fn load(xml: Option<&Path>) -> Result<HwTopology, String> {
             "libhwloc API {rt:#x} at run time, built against {built:#x}; need 2.x >= 2.4"
         ));
     }
-    let version = format!("{}.{}.{}", rt >> 16, (rt >> 8) & 0xff, rt & 0xff);
+    let version = format!("API {}.{}", rt >> 16, (rt >> 8) & 0xff);
     let mut raw: sys::hwloc_topology_t = std::ptr::null_mut();
     // SAFETY: `raw` is a valid out-pointer.
     if unsafe { sys::hwloc_topology_init(&mut raw) } != 0 || raw.is_null() {
@@ -421,7 +421,7 @@ mod tests {
         let t = load(None).unwrap();
         assert!(!t.online.is_empty());
         assert_eq!(t.source, "live");
-        assert!(t.version.starts_with("2."), "{}", t.version);
+        assert!(t.version.starts_with("API 2."), "{}", t.version);
     }
 
     #[test]

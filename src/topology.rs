@@ -273,7 +273,8 @@ pub struct CpuInfo {
 /// Everything discovered, before choosing.
 #[derive(Debug, Clone)]
 pub struct Discovery {
-    /// RDMA devices in name order.
+    /// RDMA devices in lane order: by PCIe root (lower domain first, then
+    /// software devices by name), then function.
     pub devices: Vec<DeviceInfo>,
     /// CPU kinds and online CPUs.
     pub cpus: CpuInfo,
@@ -494,13 +495,20 @@ fn read_device(sysfs: &Path, name: &str) -> DeviceInfo {
         });
     }
     // MTU needs the netdev, known only now.
-    for (i, port) in ports.iter_mut().enumerate() {
+    for port in ports.iter_mut() {
         let pd = dir.join("ports").join(port.port.to_string());
         port.active_mtu = read_trim(&pd.join("active_mtu"))
             .and_then(|s| parse_active_mtu(&s))
             .map(|m| (m, "ports/N/active_mtu"))
             .or_else(|| {
-                let nd = netdevs.get(i.min(netdevs.len().saturating_sub(1)))?;
+                // The port's netdev: the one its GIDs are on, if it is the
+                // device's own, else the device's first.
+                let nd = port
+                    .gids
+                    .iter()
+                    .filter_map(|g| g.ndev.as_ref())
+                    .find(|n| netdevs.contains(n))
+                    .or(netdevs.first())?;
                 let m: u32 = read_trim(&sysfs.join("sys/class/net").join(nd).join("mtu"))?
                     .parse()
                     .ok()?;
@@ -604,6 +612,7 @@ pub fn discover_in(sysfs_root: &Path, hwloc: HwlocSource<'_>) -> Result<Discover
     }
     let mut notes = Vec::new();
     let mut devices: Vec<DeviceInfo> = names.iter().map(|n| read_device(sysfs_root, n)).collect();
+    devices.sort_by_key(|d| (d.root_key(), d.function(), d.name.clone()));
     let online = read_trim(&sysfs_root.join("sys/devices/system/cpu/online"))
         .map(|s| parse_cpulist(&s))
         .unwrap_or_default();
@@ -1226,6 +1235,16 @@ fn check_memlock_with(needed: usize, soft: u64, hard: u64) -> Result<()> {
     )))
 }
 
+/// Locked bytes one instance registers, about: send\[2\]\[slot\] and
+/// recv\[2\]\[world\]\[slot\] plus a page-rounded control block and flags
+/// (an estimate for reports; the fabric checks the real region size).
+pub fn memlock_needed(slot_bytes: usize, world: usize) -> usize {
+    slot_bytes
+        .saturating_mul(2)
+        .saturating_mul(world.saturating_add(1))
+        .saturating_add(1 << 20)
+}
+
 /// Fails with an explanation when RLIMIT_MEMLOCK is below `needed` bytes.
 pub fn check_memlock(needed: usize) -> Result<()> {
     let (soft, hard) = hwloc_io::memlock_limit().map_err(|e| Error::Os {
@@ -1285,9 +1304,9 @@ pub fn report_in(
                 "memlock: soft {}, hard {}{}",
                 human(soft),
                 human(hard),
-                match check_memlock_with(64 << 20, soft, hard) {
+                match check_memlock_with(memlock_needed(cfg.slot_bytes, 16), soft, hard) {
                     Ok(()) => String::new(),
-                    Err(e) => format!(" -- too low for RDMA: {e}"),
+                    Err(e) => format!(" -- too low for 16 ranks at this slot size: {e}"),
                 }
             );
         }
@@ -1299,6 +1318,31 @@ pub fn report_in(
         Ok(d) => d,
         Err(e) => {
             let _ = writeln!(s, "RDMA devices: none ({e})");
+            let hw = match hwloc {
+                HwlocSource::Off => return s,
+                HwlocSource::Live => hwloc_io::load(None),
+                HwlocSource::Xml(p) => hwloc_io::load(Some(p)),
+            };
+            match hw {
+                Ok(t) => {
+                    let _ = writeln!(
+                        s,
+                        "hwloc {} ({}): online CPUs {}, {} CPU kind(s), big cores {}, \
+                         {} OpenFabrics device(s)",
+                        t.version,
+                        t.source,
+                        format_cpulist(&t.online),
+                        t.kinds.len(),
+                        t.big_cores(&t.online)
+                            .map(|b| format_cpulist(&b.0))
+                            .unwrap_or_else(|| "none".into()),
+                        t.devices.len()
+                    );
+                }
+                Err(e) => {
+                    let _ = writeln!(s, "hwloc unusable: {e}");
+                }
+            }
             return s;
         }
     };
@@ -1318,7 +1362,7 @@ pub fn report_in(
         me.bound
             .as_deref()
             .map(format_cpulist)
-            .unwrap_or_else(|| "?".into())
+            .unwrap_or_else(|| "unknown".into())
     );
     for d in &disc.devices {
         let _ = writeln!(
@@ -1698,6 +1742,36 @@ mod tests {
     }
 
     #[test]
+    fn hwloc_root_port_disagreement_is_a_warning_and_sysfs_wins() {
+        let xml = fixture("gb10_other_rootport.xml");
+        let s = select_in(
+            &fixture("spark_both"),
+            HwlocSource::Xml(&xml),
+            &cfg_with(&[]),
+            &ThreadCpus::default(),
+        )
+        .unwrap();
+        assert_eq!(s.lanes[0].root, "0000:00:00.0");
+        assert!(
+            s.warnings()
+                .any(|n| n.contains("hwloc's PCIe root is 0000:00:01.0")),
+            "{:#?}",
+            s.notes
+        );
+    }
+
+    #[test]
+    fn live_machine_without_rdma_is_unavailable_and_reportable() {
+        let r = report();
+        assert!(r.contains("memlock:"), "{r}");
+        if !Path::new("/sys/class/infiniband").exists() {
+            let e = select(&cfg_with(&[])).unwrap_err();
+            assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
+            assert!(r.contains("RDMA devices: none"), "{r}");
+        }
+    }
+
+    #[test]
     fn unusable_hwloc_falls_back_to_sysfs() {
         let s = select_in(
             &fixture("spark_both"),
@@ -1790,7 +1864,7 @@ mod tests {
             "lane 0: rocep1s0f1 port 1 gid index 3",
             "lane 1: roceP2p1s0f1",
             "proxy CPU: 19",
-            "too low for RDMA",
+            "too low for 16 ranks",
             "big cores 5-9,15-19",
         ] {
             assert!(r.contains(needle), "missing {needle:?} in\n{r}");
@@ -1803,6 +1877,26 @@ mod tests {
             None,
         );
         assert!(bad.contains("selection failed"), "{bad}");
+    }
+
+    #[test]
+    #[ignore = "prints reports for eyeballing: cargo test --lib print_reports -- --ignored --nocapture"]
+    fn print_reports() {
+        println!("{}", report());
+        let xml = fixture("gb10.xml");
+        println!(
+            "{}",
+            report_in(
+                &fixture("spark_port1"),
+                HwlocSource::Xml(&xml),
+                &cfg_with(&[]),
+                &ThreadCpus {
+                    current: Some(3),
+                    bound: None
+                },
+                Some((u64::MAX, u64::MAX)),
+            )
+        );
     }
 
     #[test]
