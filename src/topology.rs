@@ -873,10 +873,12 @@ fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Result<LaneDev
     })
 }
 
-/// Chooses the lane devices among `devs` (without overrides).
+/// Chooses the lane devices among `devs` (without overrides), counting a
+/// device as up when `up` says so.
 fn choose_devices<'a>(
     devs: &'a [DeviceInfo],
     notes: &mut Vec<String>,
+    up: &dyn Fn(&DeviceInfo) -> bool,
 ) -> Result<Vec<&'a DeviceInfo>> {
     let usable: Vec<&DeviceInfo> = devs.iter().filter(|d| !d.virtual_function).collect();
     // Roots in lane order: PCI roots by address (lower domain first), then
@@ -893,7 +895,7 @@ fn choose_devices<'a>(
             let mut c: Vec<&DeviceInfo> = usable
                 .iter()
                 .copied()
-                .filter(|d| root_of(d) == Some(r) && d.function() == k && d.active_port().is_some())
+                .filter(|d| root_of(d) == Some(r) && d.function() == k && up(d))
                 .collect();
             c.sort_by(|a, b| a.pci.cmp(&b.pci).then(a.name.cmp(&b.name)));
             if let Some(d) = c.first() {
@@ -913,7 +915,7 @@ fn choose_devices<'a>(
                 .collect();
             if !skipped.is_empty() {
                 notes.push(format!(
-                    "lower ports not ACTIVE on two roots: {}",
+                    "lower ports not ACTIVE (with a RoCE v2 IPv4 GID) on two roots: {}",
                     skipped.join("; ")
                 ));
             }
@@ -927,11 +929,7 @@ fn choose_devices<'a>(
         }
     }
     // No port active on two roots: one device carries both lanes.
-    let mut active: Vec<&DeviceInfo> = usable
-        .iter()
-        .copied()
-        .filter(|d| d.active_port().is_some())
-        .collect();
+    let mut active: Vec<&DeviceInfo> = usable.iter().copied().filter(|d| up(d)).collect();
     active.sort_by_key(|d| (root_of(d), d.function(), d.name.clone()));
     let Some(d) = active.first() else {
         return Err(Error::Topology(format!(
@@ -1111,6 +1109,11 @@ pub fn select_from(disc: &Discovery, cfg: &Config, me: &ThreadCpus) -> Result<Se
     let mut notes = disc.notes.clone();
     let chosen: Vec<&DeviceInfo> = match &cfg.devices {
         Some(names) => {
+            if names.is_empty() || names.len() > 2 {
+                return Err(Error::Topology(format!(
+                    "ARX_DEVICES must name one or two RDMA devices, got {names:?}"
+                )));
+            }
             let mut v = Vec::new();
             for n in names {
                 let Some(d) = disc.devices.iter().find(|d| &d.name == n) else {
@@ -1137,7 +1140,31 @@ pub fn select_from(disc: &Discovery, cfg: &Config, me: &ThreadCpus) -> Result<Se
             }
             v
         }
-        None => choose_devices(&disc.devices, &mut notes)?,
+        None => {
+            // Prefer a port that is ACTIVE and addressed (has the GID the
+            // lane needs) on two roots; failing that, a port ACTIVE on two
+            // roots, so that a missing address is reported as such rather
+            // than silently halving the bandwidth; then one root.
+            let addressed = |d: &DeviceInfo| {
+                d.active_port()
+                    .is_some_and(|p| resolve_gid(d, p, cfg, &mut Vec::new()).is_ok())
+            };
+            let active = |d: &DeviceInfo| d.active_port().is_some();
+            let two = |r: &Result<Vec<&DeviceInfo>>| {
+                r.as_ref()
+                    .is_ok_and(|v| v.len() == 2 && v[0].name != v[1].name)
+            };
+            let (mut n1, mut n2) = (Vec::new(), Vec::new());
+            let by_gid = choose_devices(&disc.devices, &mut n1, &addressed);
+            let by_link = choose_devices(&disc.devices, &mut n2, &active);
+            let (r, n) = if two(&by_gid) || (!two(&by_link) && by_gid.is_ok()) {
+                (by_gid, n1)
+            } else {
+                (by_link, n2)
+            };
+            notes.extend(n);
+            r?
+        }
     };
     let mut lanes = Vec::with_capacity(2);
     for d in &chosen {
@@ -1534,6 +1561,21 @@ mod tests {
         assert_eq!(a.lanes[1].gid[10..], [0xff, 0xff, 10, 0, 2, 10]);
         // Netdev MTU 4200 less RoCE headers gives 4096 (FACTS.md).
         assert_eq!(a.lanes[0].active_mtu, 4096);
+    }
+
+    #[test]
+    fn active_but_unaddressed_port_is_passed_over() {
+        // All four links up, IPv4 only on port 1: port 1 is chosen.
+        let s = sel("spark_ip_on_port1", &[]).unwrap();
+        assert_eq!(names(&s), ["rocep1s0f1", "roceP2p1s0f1"]);
+        assert_eq!(s.warnings().count(), 0, "{:#?}", s.notes);
+        // Addressed on one root only: the other root's missing address is
+        // the error, not a silent single-root run.
+        let e = sel("spark_ip_one_root", &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("roceP2p1s0f0") && e.to_string().contains("ip addr add"),
+            "{e}"
+        );
     }
 
     #[test]
