@@ -48,8 +48,10 @@
 //!
 //! ## Thread safety
 //!
-//! An [`Arx`] is `Send`; calls take `&mut self` and must be made in the same
-//! order on every rank, like MPI collectives.
+//! Calls take `&mut self` and must be made in the same order on every rank,
+//! like MPI collectives. An [`Arx`] holds an MPI communicator and is
+//! therefore not `Send`: keep it on the thread that uses MPI. Calls make no
+//! MPI calls (only construction, [`Arx::barrier`] and drop do).
 
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -346,8 +348,9 @@ impl Arx {
             rank: self.rank(),
         }
     }
-    /// The private duplicate communicator (for a caller's own bounded checks).
-    pub fn bootstrap_barrier(&self) -> Result<()> {
+    /// A barrier over the instance's private communicator, bounded by the
+    /// timeout (a rank that never arrives is an [`Error::Timeout`]).
+    pub fn barrier(&self) -> Result<()> {
         self.boot.barrier("user barrier")
     }
 
