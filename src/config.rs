@@ -130,6 +130,10 @@ pub struct Config {
     pub gid_index: Option<u32>,
     /// CPU for the proxy thread (`ARX_PROXY_CPU`).
     pub proxy_cpu: Option<usize>,
+    /// CUDA device ordinal of the GPU device side (`ARX_CUDA_DEVICE`);
+    /// `None`: the rank's index among the ranks of its node, modulo the
+    /// number of visible devices.
+    pub cuda_device: Option<usize>,
 }
 
 /// Options the builder sets explicitly (each overrides its environment variable).
@@ -145,6 +149,7 @@ pub(crate) struct Overrides {
     pub devices: Option<Vec<String>>,
     pub gid_index: Option<u32>,
     pub proxy_cpu: Option<usize>,
+    pub cuda_device: Option<usize>,
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -312,6 +317,10 @@ impl Config {
             Some(c) => Some(c),
             None => env_var(&get, "ARX_PROXY_CPU", number::<usize>("ARX_PROXY_CPU"))?,
         };
+        let cuda_device = match o.cuda_device {
+            Some(c) => Some(c),
+            None => env_var(&get, "ARX_CUDA_DEVICE", number::<usize>("ARX_CUDA_DEVICE"))?,
+        };
         let max_slot = crate::abi::ARX_MAX_COUNT as usize;
         if slot_bytes == 0 || slot_bytes > max_slot {
             return Err(Error::Config {
@@ -332,6 +341,7 @@ impl Config {
             devices,
             gid_index,
             proxy_cpu,
+            cuda_device,
         })
     }
 }

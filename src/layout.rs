@@ -349,6 +349,9 @@ impl Ctrl<'_> {
     pub fn timeout_ns(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(timeout_ns))
     }
+    pub fn sent(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(sent))
+    }
     /// True once the abort word is set.
     pub fn aborted(&self) -> bool {
         self.abort().load(Ordering::Acquire) != 0

@@ -127,6 +127,7 @@ fn run(mut fabric: Box<dyn Fabric>, s: &Shared, layout: Layout, cfg: &Config) {
     let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot);
     let mut watch = Watchdog::new(cfg.stall_warn);
     let mut stop_at: Option<Instant> = None;
+    let mut sent = 0u64;
     loop {
         let published = ctrl.seq().load(Ordering::Acquire);
         let mut busy = false;
@@ -146,6 +147,12 @@ fn run(mut fabric: Box<dyn Fabric>, s: &Shared, layout: Layout, cfg: &Config) {
         }
         if let Err(e) = fabric.progress() {
             s.record(e);
+        }
+        // Every send up to `posted` completed locally: its send slots may be
+        // reused (the GPU side's copy-engine staging waits for this).
+        if posted > sent && fabric.quiescent() {
+            sent = posted;
+            ctrl.sent().store(sent, Ordering::Release);
         }
         if s.stop.load(Ordering::Acquire) {
             // Drain: everything published is posted (above); wait for local

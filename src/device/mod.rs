@@ -5,3 +5,4 @@
 //! it inside the arx CUDA kernel.
 
 pub(crate) mod host;
+pub(crate) mod gpu;
