@@ -124,6 +124,12 @@ use fabric::Fabric;
 use layout::Region;
 use proxy::Proxy;
 
+/// Number of usable CUDA devices, or why the GPU device side cannot run
+/// here (no libcuda, no libnvrtc, no device). Never panics.
+pub fn gpu_available() -> Result<usize> {
+    device::gpu::device_count()
+}
+
 /// Options for [`Arx`]; each overrides its `ARX_*` environment variable.
 #[derive(Debug, Clone, Default)]
 pub struct Builder {
