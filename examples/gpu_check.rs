@@ -40,6 +40,9 @@ struct Cli {
     /// Fewer lengths and iterations.
     #[arg(long, global = true)]
     quick: bool,
+    /// Benchmark sizes in bytes (comma separated, K/M suffixes).
+    #[arg(long, global = true, value_delimiter = ',')]
+    sizes: Vec<String>,
 }
 
 #[derive(Subcommand, Clone, Copy)]
@@ -70,6 +73,7 @@ struct Ctx {
     n: usize,
     staging: Staging,
     quick: bool,
+    sizes: Vec<usize>,
 }
 
 impl Ctx {
@@ -602,7 +606,9 @@ fn run_bench(c: &Ctx) -> R<()> {
     // SAFETY: one stream.
     unsafe { ctx.disable_event_tracking() };
     let s = ctx.new_stream().map_err(e("new_stream"))?;
-    let sizes: Vec<usize> = if c.quick {
+    let sizes: Vec<usize> = if !c.sizes.is_empty() {
+        c.sizes.clone()
+    } else if c.quick {
         vec![8 << 10, 64 << 10]
     } else {
         vec![8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20]
@@ -764,6 +770,21 @@ fn main() -> ExitCode {
             StagingArg::Copy => Staging::CopyEngine,
         },
         quick: cli.quick,
+        sizes: cli
+            .sizes
+            .iter()
+            .filter_map(|s| {
+                let t = s.trim().to_ascii_uppercase();
+                let (n, m) = match t.strip_suffix('K') {
+                    Some(n) => (n.to_string(), 1 << 10),
+                    None => match t.strip_suffix('M') {
+                        Some(n) => (n.to_string(), 1 << 20),
+                        None => (t.clone(), 1),
+                    },
+                };
+                n.parse::<usize>().ok().map(|v| v * m)
+            })
+            .collect(),
     };
     // Skip (exit 77) where no GPU is usable, on every rank alike.
     let usable = arx::gpu_available();

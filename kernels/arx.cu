@@ -314,7 +314,9 @@ __device__ void arx_run(const arx_params_t &p) {
     const bool vec = ((p.input | p.output) & 15ull) == 0;
     const u32 unit = vec ? VE : 1u; /* elements per thread per chunk */
     const u32 nunits = (count + unit - 1) / unit;
-    const u32 nchunks = (nunits + bd - 1) / bd;
+    const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
+    const u32 per_chunk = bd * unroll; /* units per chunk */
+    const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
     /* At least one of each so that a zero-length call still publishes and
      * waits (its flags keep the ranks in step). */
     const u32 nstage = p.sm_staging ? (nchunks > 0 ? nchunks : 1u) : 1u;
@@ -330,8 +332,9 @@ __device__ void arx_run(const arx_params_t &p) {
             if (c >= nstage) break;
             mine++;
             if (p.sm_staging && nchunks > 0) {
-                u32 u = c * bd + tid;
-                if (u < nunits) {
+                for (u32 k = 0; k < unroll; k++) {
+                    u32 u = c * per_chunk + k * bd + tid;
+                    if (u >= nunits) break;
                     u32 e0 = u * unit;
                     if (vec && e0 + VE <= count) {
                         vec4 v = *(const vec4 *)(in + e0);
@@ -351,9 +354,9 @@ __device__ void arx_run(const arx_params_t &p) {
             if (tid == 0) {
                 u32 before = atom_add_acq_rel_gpu(&st->staged, mine);
                 if (before + mine == nstage) {
-                    /* Every chunk is staged (the acq_rel chain orders the
-                     * other blocks' fenced stores before this point). */
-                    fence_sc_sys();
+                    /* Every chunk is staged: each thread fenced its stores
+                     * at system scope before its block counted them, and the
+                     * acq_rel chain orders those before this release. */
                     st_relaxed_sys_u64(&ctrl->meta[par], flag);
                     st_release_sys_u64(&ctrl->seq, seq);
                 }
@@ -374,7 +377,8 @@ __device__ void arx_run(const arx_params_t &p) {
             const u64 t0 = globaltimer();
             const u64 limit = st->timeout_ns;
             u32 have = 0; /* bit k: this thread's k-th flag arrived */
-            for (;;) {
+            u32 round = 0;
+            for (;; round++) {
                 u32 ok = 1, bad = 0, stop = 0;
                 u32 k = 0;
                 for (u32 i = tid; i < nflags; i += bd, k++) {
@@ -408,7 +412,8 @@ __device__ void arx_run(const arx_params_t &p) {
                     } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
                         stop = 1;
                         s_status = ld_relaxed_gpu_u32(&st->status);
-                    } else if (ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                    } else if ((round & 7) == 7 && ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                        /* (a PCIe round trip on discrete GPUs: not every round) */
                         stop = 1;
                         s_status = ARX_STATUS_ABORTED;
                     } else if (globaltimer() - t0 > limit) {
@@ -462,9 +467,11 @@ __device__ void arx_run(const arx_params_t &p) {
             ready = true;
         }
 
-        /* Sum chunk c: thread tid owns unit c*bd+tid. */
-        u32 u = c * bd + tid;
-        if (u < nunits) {
+        /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
+        for (u32 k = 0; k < unroll; k++) {
+        u32 u = c * per_chunk + k * bd + tid;
+        if (u >= nunits) break;
+        {
             u32 e0 = u * unit;
             if (vec && e0 + VE <= count) {
                 float acc[8];
@@ -511,6 +518,7 @@ __device__ void arx_run(const arx_params_t &p) {
                 }
             }
         }
+        }
     }
 
     /* ---- leave: the last block out closes the call ---- */
@@ -554,7 +562,8 @@ __device__ void arx_run(const arx_params_t &p) {
         st->depart = 0;
         st->seq = seq;
         __threadfence();
-        if (status == 0) st_release_sys_u64(&ctrl->done, seq);
+        /* Informational (watchdog, logs): no ordering needed. */
+        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
     }
 }
 

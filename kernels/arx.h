@@ -154,7 +154,9 @@ typedef struct arx_params {
     /* 1: the kernel stages the partial with SM stores and a system fence;
      * 0: the host staged it with a copy-engine copy before the launch. */
     uint32_t sm_staging;
-    uint32_t pad;
+    /* 16-byte vectors (or elements, for unaligned buffers) each thread
+     * handles per work chunk; at least 1. */
+    uint32_t unroll;
 } arx_params_t;
 
 #ifndef __CUDACC_RTC__

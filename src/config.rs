@@ -134,6 +134,12 @@ pub struct Config {
     /// `None`: the rank's index among the ranks of its node, modulo the
     /// number of visible devices.
     pub cuda_device: Option<usize>,
+    /// Most blocks of one GPU launch (`ARX_GPU_BLOCKS`); `None`: chosen from
+    /// the SM count and the ranks sharing the GPU.
+    pub gpu_blocks: Option<u32>,
+    /// 16-byte vectors per thread per work chunk of the GPU kernel
+    /// (`ARX_GPU_UNROLL`); `None`: chosen by size.
+    pub gpu_unroll: Option<u32>,
 }
 
 /// Options the builder sets explicitly (each overrides its environment variable).
@@ -321,6 +327,23 @@ impl Config {
             Some(c) => Some(c),
             None => env_var(&get, "ARX_CUDA_DEVICE", number::<usize>("ARX_CUDA_DEVICE"))?,
         };
+        let positive = |name: &'static str| {
+            move |s: &str| {
+                number::<u32>(name)(s).and_then(|v| {
+                    if v == 0 {
+                        Err(Error::Config {
+                            name,
+                            value: s.into(),
+                            reason: "must be at least 1".into(),
+                        })
+                    } else {
+                        Ok(v)
+                    }
+                })
+            }
+        };
+        let gpu_blocks = env_var(&get, "ARX_GPU_BLOCKS", positive("ARX_GPU_BLOCKS"))?;
+        let gpu_unroll = env_var(&get, "ARX_GPU_UNROLL", positive("ARX_GPU_UNROLL"))?;
         let max_slot = crate::abi::ARX_MAX_COUNT as usize;
         if slot_bytes == 0 || slot_bytes > max_slot {
             return Err(Error::Config {
@@ -342,6 +365,8 @@ impl Config {
             gid_index,
             proxy_cpu,
             cuda_device,
+            gpu_blocks,
+            gpu_unroll,
         })
     }
 }

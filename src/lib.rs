@@ -367,8 +367,7 @@ impl Arx {
                     Arc::clone(&region),
                     fabric_kind == FabricKind::Shm,
                     layout,
-                    cfg.staging,
-                    cfg.timeout,
+                    &cfg,
                     ranks_on_node,
                 );
                 Side::Gpu(Box::new(boot.agree("GPU side", g)?))

@@ -45,6 +45,8 @@ const HEADER: &str = include_str!("../../kernels/arx.h");
 const THREADS: u32 = 256;
 /// Upper bound on blocks of one launch.
 const MAX_BLOCKS: u32 = 16;
+/// Vectors per thread per work chunk.
+const DEFAULT_UNROLL: u32 = 1;
 
 fn cuda_err(call: &'static str) -> impl Fn(result::DriverError) -> Error {
     move |e| Error::Cuda {
@@ -335,6 +337,7 @@ pub(crate) struct GpuSide {
     layout: Layout,
     staging: Staging,
     max_blocks: u32,
+    unroll: Option<u32>,
     ordinal: usize,
     arch: String,
 }
@@ -353,10 +356,11 @@ impl GpuSide {
         region: Arc<Region>,
         register: bool,
         layout: Layout,
-        staging: Staging,
-        timeout: std::time::Duration,
+        cfg: &crate::Config,
         ranks_on_node: usize,
     ) -> Result<Self> {
+        let staging = cfg.staging;
+        let timeout = cfg.timeout;
         ctx.bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
         let can_map = ctx
@@ -409,7 +413,9 @@ impl GpuSide {
         // depend on it — the kernel's tickets never make a block wait for
         // another — but spinning blocks that cannot all be resident would
         // slow every rank.)
-        let max_blocks = (sms / (2 * ranks_on_node.max(1) as u32)).clamp(1, MAX_BLOCKS);
+        let max_blocks = cfg
+            .gpu_blocks
+            .unwrap_or_else(|| (sms / (2 * ranks_on_node.max(1) as u32)).clamp(1, MAX_BLOCKS));
         // SAFETY: a fresh 64-byte device allocation, freed in Drop.
         let state = unsafe { result::malloc_sync(std::mem::size_of::<abi::arx_gpu_state_t>()) }
             .map_err(cuda_err("cuMemAlloc"))?;
@@ -441,6 +447,7 @@ impl GpuSide {
             layout,
             staging,
             max_blocks,
+            unroll: cfg.gpu_unroll,
             arch,
         })
     }
@@ -458,12 +465,14 @@ impl GpuSide {
         )
     }
 
-    /// Launch shape for `count` elements of `dtype`, `aligned` or not.
-    fn shape(&self, count: usize, dtype: Dtype, aligned: bool) -> u32 {
+    /// Launch shape for `count` elements of `dtype`, `aligned` or not:
+    /// (blocks, units per thread per chunk).
+    fn shape(&self, count: usize, dtype: Dtype, aligned: bool) -> (u32, u32) {
         let per_unit = if aligned { 16 / dtype.size() } else { 1 };
         let units = count.div_ceil(per_unit);
-        let chunks = units.div_ceil(THREADS as usize).max(1);
-        (chunks.min(self.max_blocks as usize)) as u32
+        let unroll = self.unroll.unwrap_or(DEFAULT_UNROLL);
+        let chunks = units.div_ceil((THREADS * unroll) as usize).max(1);
+        ((chunks.min(self.max_blocks as usize)) as u32, unroll)
     }
 
     /// Enqueues one call on `stream`: copy-engine staging (if chosen) and
@@ -505,10 +514,11 @@ impl GpuSide {
             count: count as u32,
             dtype,
             sm_staging: u32::from(!ce),
-            pad: 0,
+            unroll: 1,
         };
         let aligned = (input | output) & 15 == 0;
-        let blocks = d.map_or(1, |d| self.shape(count, d, aligned));
+        let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));
+        params.unroll = unroll;
         let mut args = [(&mut params as *mut abi::arx_params_t).cast::<c_void>()];
         result::launch_kernel(
             self.module.kernel(dtype),
