@@ -297,6 +297,7 @@ __device__ void arx_run(const arx_params_t &p) {
     const u32 count = p.dtype == ARX_DTYPE_INVALID ? 0u : p.count;
 
     __shared__ u32 s_ticket;
+    __shared__ u32 s_poll;
     __shared__ u32 s_status;
 
     /* Every block reads seq before it can depart; the last block to depart
@@ -378,10 +379,22 @@ __device__ void arx_run(const arx_params_t &p) {
             const u64 limit = st->timeout_ns;
             u32 have = 0; /* bit k: this thread's k-th flag arrived */
             u32 round = 0;
+            /* One block per call polls the peers' flags (PCIe reads on a
+             * discrete GPU, which would compete with the payload reads if
+             * every block polled); the others watch ready_seq and the status
+             * in device memory. The poller is a running block, so waiting
+             * for it needs no other block to be scheduled. */
+            if (tid == 0) {
+                u32 old = ld_relaxed_gpu_u32(&st->poller);
+                s_poll = (old != seq32 && atom_cas_acq_rel_gpu(&st->poller, old, seq32) == old);
+            }
+            __syncthreads();
+            const bool poller = s_poll != 0;
             for (;; round++) {
                 u32 ok = 1, bad = 0, stop = 0;
                 u32 k = 0;
-                for (u32 i = tid; i < nflags; i += bd, k++) {
+                if (!poller) ok = 0;
+                for (u32 i = tid; poller && i < nflags; i += bd, k++) {
                     if (k < 32 && (have >> k) & 1u) continue;
                     u32 q = (me + 1 + i / ARX_LANES) % world;
                     u32 lane = i % ARX_LANES;
@@ -412,7 +425,8 @@ __device__ void arx_run(const arx_params_t &p) {
                     } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
                         stop = 1;
                         s_status = ld_relaxed_gpu_u32(&st->status);
-                    } else if ((round & 7) == 7 && ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                    } else if (poller && (round & 7) == 7 &&
+                               ld_relaxed_sys_u32(&ctrl->abort) != 0) {
                         /* (a PCIe round trip on discrete GPUs: not every round) */
                         stop = 1;
                         s_status = ARX_STATUS_ABORTED;

@@ -136,7 +136,11 @@ typedef struct arx_gpu_state {
     uint32_t status;
     /* Bound on one call's waits, in nanoseconds of %globaltimer. */
     uint64_t timeout_ns;
-    uint64_t reserved[3];
+    /* Low 32 bits of the seq whose flags one block has taken on polling
+     * (the others watch ready_seq in device memory instead of PCIe). */
+    uint32_t poller;
+    uint32_t pad;
+    uint64_t reserved[2];
 } arx_gpu_state_t;
 
 /* Kernel parameters, passed by value to every arx kernel. */

@@ -46,7 +46,7 @@ const THREADS: u32 = 256;
 /// Upper bound on blocks of one launch.
 const MAX_BLOCKS: u32 = 16;
 /// Vectors per thread per work chunk.
-const DEFAULT_UNROLL: u32 = 1;
+const DEFAULT_UNROLL: u32 = 4;
 
 fn cuda_err(call: &'static str) -> impl Fn(result::DriverError) -> Error {
     move |e| Error::Cuda {
