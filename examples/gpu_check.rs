@@ -112,7 +112,8 @@ impl Ctx {
 /// element type's range, so sums exercise rounding, ties, subnormals and
 /// (for f16) overflow to infinity.
 fn input<T: Element>(seed: u64, rank: usize, count: usize) -> Vec<T> {
-    let mut rng = StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (rank as u64 + 1));
+    let mut rng =
+        StdRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (rank as u64 + 1));
     let (lo, hi) = match T::DTYPE {
         Dtype::F16 => (-20, 15),
         Dtype::Bf16 => (-40, 40),
@@ -156,7 +157,11 @@ fn same_bits<T: Element>(a: &T, b: &T) -> bool {
 
 fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> R<()> {
     if got.len() != want.len() {
-        return Err(format!("{what}: {} elements, expected {}", got.len(), want.len()));
+        return Err(format!(
+            "{what}: {} elements, expected {}",
+            got.len(),
+            want.len()
+        ));
     }
     let bad: Vec<usize> = (0..got.len())
         .filter(|&i| !same_bits(&got[i], &want[i]))
@@ -178,7 +183,10 @@ fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> R<()> {
     Ok(())
 }
 
-fn poison<T: Element + DeviceRepr + ValidAsZeroBits>(s: &Arc<CudaStream>, buf: &mut CudaSlice<T>) -> R<()> {
+fn poison<T: Element + DeviceRepr + ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+) -> R<()> {
     let ones = vec![T::from_f32(f32::NAN); buf.len()];
     s.memcpy_htod(&ones, buf).map_err(e("poison"))
 }
@@ -214,7 +222,8 @@ fn one_call<T: Element + DeviceRepr + ValidAsZeroBits>(
         }
         1 => {
             let mut buf = s.clone_htod(mine).map_err(e("htod"))?;
-            arx.allreduce_in_place(&mut buf, s).map_err(e("allreduce_in_place"))?;
+            arx.allreduce_in_place(&mut buf, s)
+                .map_err(e("allreduce_in_place"))?;
             arx.check().map_err(e("check"))?;
             s.clone_dtoh(&buf).map_err(e("dtoh"))?
         }
@@ -255,7 +264,7 @@ fn one_call<T: Element + DeviceRepr + ValidAsZeroBits>(
     )
 }
 
-fn lengths<T: Element>(max: usize, quick: bool) -> Vec<usize> {
+fn lengths(max: usize, quick: bool) -> Vec<usize> {
     let mut v: Vec<usize> = vec![
         1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 100, 127, 255, 257, 1000, 1023, 1025, 2047,
         2049, 4095, 4097, 8191, 12345, 65535, 65537, 100003,
@@ -277,12 +286,20 @@ fn check_dtype<T: Element + DeviceRepr + ValidAsZeroBits>(
 ) -> R<usize> {
     let max = arx.max_count::<T>();
     let mut calls = 0;
-    for (k, &n) in lengths::<T>(max, c.quick).iter().enumerate() {
+    for (k, &n) in lengths(max, c.quick).iter().enumerate() {
         for mode in 0..3u8 {
             if mode == 2 && n == max {
                 continue; // needs one element of room
             }
-            one_call::<T>(c, arx, s, (k as u64) << 8 | mode as u64 | 0x10000, n, mode, dig)?;
+            one_call::<T>(
+                c,
+                arx,
+                s,
+                (k as u64) << 8 | mode as u64 | 0x10000,
+                n,
+                mode,
+                dig,
+            )?;
             calls += 1;
         }
     }
@@ -301,7 +318,10 @@ fn burst<T: Element + DeviceRepr + ValidAsZeroBits>(
     let seeds: Vec<u64> = (0..calls as u64).map(|i| 0x5000_0000 + i).collect();
     let ins: Vec<CudaSlice<T>> = seeds
         .iter()
-        .map(|&sd| s.clone_htod(&input::<T>(sd, c.rank, count)).map_err(e("htod")))
+        .map(|&sd| {
+            s.clone_htod(&input::<T>(sd, c.rank, count))
+                .map_err(e("htod"))
+        })
         .collect::<R<_>>()?;
     let mut outs: Vec<CudaSlice<T>> = (0..calls)
         .map(|_| s.alloc_zeros::<T>(count).map_err(e("alloc")))
@@ -317,7 +337,11 @@ fn burst<T: Element + DeviceRepr + ValidAsZeroBits>(
         let got = s.clone_dtoh(o).map_err(e("dtoh"))?;
         let parts: Vec<Vec<T>> = (0..c.n).map(|r| input::<T>(seeds[k], r, count)).collect();
         dig.add(&got);
-        compare(&format!("burst call {k} of {calls}"), &got, &reference(&parts))?;
+        compare(
+            &format!("burst call {k} of {calls}"),
+            &got,
+            &reference(&parts),
+        )?;
     }
     Ok(())
 }
@@ -370,8 +394,8 @@ fn conversions(arx: &Arx) -> R<usize> {
     for sign in [0u32, 0x8000_0000] {
         for exp in 0u32..=255 {
             for m in [
-                0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1_8000, 0x0FFF, 0x1000, 0x1001,
-                0x2000, 0x3000, 0x7F_FFFF, 0x7F_8000, 0x40_0000, 0x40_1000, 0x3F_F000,
+                0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1_8000, 0x0FFF, 0x1000, 0x1001, 0x2000,
+                0x3000, 0x7F_FFFF, 0x7F_8000, 0x40_0000, 0x40_1000, 0x3F_F000,
             ] {
                 bits.push(sign | exp << 23 | m);
             }
@@ -386,10 +410,26 @@ fn conversions(arx: &Arx) -> R<usize> {
         let f = f32::from_bits(b);
         let h = b as u16;
         let checks = [
-            ("f32->bf16", out.bf16[i] as u32, bf16::from_f32(f).to_bits() as u32),
-            ("f32->f16", out.f16[i] as u32, f16::from_f32(f).to_bits() as u32),
-            ("bf16->f32", out.bf16_back[i], bf16::from_bits(h).to_f32().to_bits()),
-            ("f16->f32", out.f16_back[i], f16::from_bits(h).to_f32().to_bits()),
+            (
+                "f32->bf16",
+                out.bf16[i] as u32,
+                bf16::from_f32(f).to_bits() as u32,
+            ),
+            (
+                "f32->f16",
+                out.f16[i] as u32,
+                f16::from_f32(f).to_bits() as u32,
+            ),
+            (
+                "bf16->f32",
+                out.bf16_back[i],
+                bf16::from_bits(h).to_f32().to_bits(),
+            ),
+            (
+                "f16->f32",
+                out.f16_back[i],
+                f16::from_bits(h).to_f32().to_bits(),
+            ),
         ];
         for (what, got, want) in checks {
             if got != want && bad.len() < 8 {
@@ -400,7 +440,10 @@ fn conversions(arx: &Arx) -> R<usize> {
     if bad.is_empty() {
         Ok(bits.len())
     } else {
-        Err(format!("conversions differ from `half`: {}", bad.join("; ")))
+        Err(format!(
+            "conversions differ from `half`: {}",
+            bad.join("; ")
+        ))
     }
 }
 
@@ -439,7 +482,8 @@ fn run_check(c: &Ctx) -> R<()> {
     };
     step(
         "bf16 lengths",
-        check_dtype::<bf16>(c, &mut arx, &s, &mut dig).map(|n| format!("{n} calls bit-exact (out of place, in place, unaligned)")),
+        check_dtype::<bf16>(c, &mut arx, &s, &mut dig)
+            .map(|n| format!("{n} calls bit-exact (out of place, in place, unaligned)")),
     )?;
     step(
         "f16 lengths",
@@ -454,7 +498,12 @@ fn run_check(c: &Ctx) -> R<()> {
         "burst",
         burst::<bf16>(c, &mut arx, &s, bursts, 4096, &mut dig)
             .and_then(|()| burst::<f32>(c, &mut arx, &s, bursts / 4, 33333, &mut dig))
-            .map(|()| format!("{bursts} back-to-back 8 KB bf16 calls and {} 130 KB f32 calls, one sync each", bursts / 4)),
+            .map(|()| {
+                format!(
+                    "{bursts} back-to-back 8 KB bf16 calls and {} 130 KB f32 calls, one sync each",
+                    bursts / 4
+                )
+            }),
     )?;
     let replays = if c.quick { 50 } else { 1000 };
     step(
@@ -476,7 +525,10 @@ fn run_check(c: &Ctx) -> R<()> {
             Err("ranks' output digests differ".into())
         },
     )?;
-    c.say(format!("# check passed in {:.1} s", t.elapsed().as_secs_f64()));
+    c.say(format!(
+        "# check passed in {:.1} s",
+        t.elapsed().as_secs_f64()
+    ));
     Ok(())
 }
 
@@ -501,17 +553,24 @@ fn run_fail(c: &Ctx) -> R<()> {
         let mut dig = Digest32(Sha256::new());
         one_call::<bf16>(c, &mut arx, &s, 1, 1000, 0, &mut dig)?;
         let n = if c.rank == last { 1001 } else { 1000 };
-        let din = s.clone_htod(&input::<bf16>(2, c.rank, n)).map_err(e("htod"))?;
+        let din = s
+            .clone_htod(&input::<bf16>(2, c.rank, n))
+            .map_err(e("htod"))?;
         let mut dout = s.alloc_zeros::<bf16>(n).map_err(e("alloc"))?;
         let t = Instant::now();
-        let r = arx.allreduce(&din, &mut dout, &s).and_then(|()| arx.check());
+        let r = arx
+            .allreduce(&din, &mut dout, &s)
+            .and_then(|()| arx.check());
         let ok = matches!(&r, Err(arx::Error::CallMismatch { .. })) && t.elapsed() < timeout;
         let msg = match &r {
             Ok(()) => "no error".to_string(),
             Err(x) => x.to_string(),
         };
         if !c.all(ok) {
-            eprintln!("FAIL rank {}: mismatch not reported as CallMismatch in time: {msg}", c.rank);
+            eprintln!(
+                "FAIL rank {}: mismatch not reported as CallMismatch in time: {msg}",
+                c.rank
+            );
             return Err("mismatch".into());
         }
         if c.root() {
@@ -543,10 +602,14 @@ fn run_fail(c: &Ctx) -> R<()> {
         let mut msg = String::new();
         let mut waited = 0.0;
         if c.rank != last {
-            let din = s.clone_htod(&input::<f32>(99, c.rank, 4096)).map_err(e("htod"))?;
+            let din = s
+                .clone_htod(&input::<f32>(99, c.rank, 4096))
+                .map_err(e("htod"))?;
             let mut dout = s.alloc_zeros::<f32>(4096).map_err(e("alloc"))?;
             let t = Instant::now();
-            let r = arx.allreduce(&din, &mut dout, &s).and_then(|()| arx.check());
+            let r = arx
+                .allreduce(&din, &mut dout, &s)
+                .and_then(|()| arx.check());
             waited = t.elapsed().as_secs_f64();
             let out = s.clone_dtoh(&dout).map_err(e("dtoh"))?;
             let poisoned = out.iter().all(|x| x.is_nan());
@@ -583,7 +646,8 @@ fn run_fail(c: &Ctx) -> R<()> {
         unsafe { ctx.disable_event_tracking() };
         let s = ctx.new_stream().map_err(e("new_stream"))?;
         let mut dig = Digest32(Sha256::new());
-        let r = (0..20).try_for_each(|k| one_call::<bf16>(c, &mut arx, &s, 200 + k, 3000, 0, &mut dig));
+        let r =
+            (0..20).try_for_each(|k| one_call::<bf16>(c, &mut arx, &s, 200 + k, 3000, 0, &mut dig));
         if let Err(m) = &r {
             eprintln!("FAIL rank {}: after the failures: {m}", c.rank);
         }
@@ -611,7 +675,16 @@ fn run_bench(c: &Ctx) -> R<()> {
     } else if c.quick {
         vec![8 << 10, 64 << 10]
     } else {
-        vec![8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20]
+        vec![
+            8 << 10,
+            16 << 10,
+            32 << 10,
+            64 << 10,
+            128 << 10,
+            256 << 10,
+            512 << 10,
+            1 << 20,
+        ]
     };
     let iters = if c.quick { 50 } else { 300 };
     let b2b = if c.quick { 200 } else { 2000 };
@@ -627,8 +700,8 @@ fn run_bench(c: &Ctx) -> R<()> {
             .clone_htod(&input::<bf16>(bytes as u64, c.rank, count))
             .map_err(e("htod"))?;
         let mut dout = s.alloc_zeros::<bf16>(count).map_err(e("alloc"))?;
-        // Warm-up.
-        for _ in 0..20 {
+        // Warm-up (also lets every rank's proxy reach its hot spin).
+        for _ in 0..200 {
             arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
         }
         s.synchronize().map_err(e("sync"))?;
@@ -644,10 +717,14 @@ fn run_bench(c: &Ctx) -> R<()> {
         let lat_stream = c.max_f64(median(&mut lat));
         // Kernel time by events.
         let ev0 = ctx
-            .new_event(Some(arx::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .new_event(Some(
+                arx::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT,
+            ))
             .map_err(e("event"))?;
         let ev1 = ctx
-            .new_event(Some(arx::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .new_event(Some(
+                arx::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT,
+            ))
             .map_err(e("event"))?;
         let mut kt = Vec::with_capacity(iters);
         for _ in 0..iters {
@@ -706,8 +783,10 @@ fn run_bench(c: &Ctx) -> R<()> {
             .map_err(e("htod"))?;
         let mut ddst = s.alloc_zeros::<f32>(fcount).map_err(e("alloc"))?;
         // SAFETY: pinned buffers, fully written by the D2H copy before reads.
-        let mut hin = unsafe { ctx.alloc_pinned_with_flags::<f32>(fcount, 0) }.map_err(e("pinned"))?;
-        let mut hout = unsafe { ctx.alloc_pinned_with_flags::<f32>(fcount, 0) }.map_err(e("pinned"))?;
+        let mut hin =
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(fcount, 0) }.map_err(e("pinned"))?;
+        let mut hout =
+            unsafe { ctx.alloc_pinned_with_flags::<f32>(fcount, 0) }.map_err(e("pinned"))?;
         let mut ml = Vec::with_capacity(iters);
         for it in 0..iters + 10 {
             c.world.barrier();
@@ -744,7 +823,9 @@ fn run_bench(c: &Ctx) -> R<()> {
             ));
         }
         if c.n == 2 && bytes == 8 << 10 && b2b_graph <= 10.0 {
-            c.say(format!("target met: 2 ranks 8 KB graph replay {b2b_graph:.1} us <= 10 us"));
+            c.say(format!(
+                "target met: 2 ranks 8 KB graph replay {b2b_graph:.1} us <= 10 us"
+            ));
         }
     }
     for m in &missed {
@@ -792,7 +873,10 @@ fn main() -> ExitCode {
         if c.root() {
             println!(
                 "SKIPPED: no usable GPU on every rank ({})",
-                usable.err().map(|x| x.to_string()).unwrap_or_else(|| "another rank".into())
+                usable
+                    .err()
+                    .map(|x| x.to_string())
+                    .unwrap_or_else(|| "another rank".into())
             );
         }
         return ExitCode::from(77);

@@ -91,7 +91,9 @@ impl Bootstrap {
         let rank = comm.rank() as usize;
         // MPI writes the new handle when the request completes, possibly
         // after a timeout made us give up: keep it on the heap, leaked then.
+        // SAFETY: reading MPI's constant null handles.
         let dup: *mut ffi::MPI_Comm = Box::into_raw(Box::new(unsafe { ffi::RSMPI_COMM_NULL }));
+        // SAFETY: as above.
         let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
         // SAFETY: `dup` outlives the request (freed only after completion).
         let handle = unsafe {
@@ -129,10 +131,12 @@ impl Bootstrap {
         self.world
     }
     /// The bound on each collective.
+    #[allow(dead_code)] // for the Verbs fabric's handshakes
     pub fn timeout(&self) -> Duration {
         self.timeout
     }
     /// The private duplicate communicator.
+    #[allow(dead_code)] // for the Verbs fabric's handshakes
     pub fn comm(&self) -> &SimpleCommunicator {
         &self.comm
     }
@@ -144,6 +148,7 @@ impl Bootstrap {
         let recv = vec![0u8; len * self.world].into_boxed_slice();
         let send = Box::into_raw(send);
         let recv = Box::into_raw(recv);
+        // SAFETY: reading MPI's constant null request handle.
         let mut req: ffi::MPI_Request = unsafe { ffi::RSMPI_REQUEST_NULL };
         let rank = self.rank;
         // SAFETY: both buffers are heap allocations that we free only after

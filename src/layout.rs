@@ -227,6 +227,7 @@ impl Region {
         self.len
     }
     /// True for an empty region (never, in practice).
+    #[allow(dead_code)]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -266,6 +267,7 @@ impl Region {
     }
 
     /// Copies `dst.len()` bytes at `off` out of the region.
+    #[allow(dead_code)]
     pub(crate) fn read(&self, off: usize, dst: &mut [u8]) {
         self.check(off, dst.len(), 1);
         // SAFETY: in bounds (checked); the bytes were handed over by an
@@ -415,7 +417,7 @@ mod tests {
             assert_eq!(a.start, 0);
             assert_eq!(a.end, b.start);
             assert_eq!(b.end, bytes);
-            assert_eq!(a.end % 16 == 0 || a.end == bytes, true);
+            assert!(a.end % 16 == 0 || a.end == bytes);
             assert!(a.len() >= b.len());
         }
     }

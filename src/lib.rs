@@ -291,13 +291,7 @@ impl Arx {
         let layout = boot.agree("layout", Layout::new(world, rank, cfg.slot_bytes))?;
 
         // Everyone's description, validated identically on every rank.
-        let me = PeerInfo::local(
-            world,
-            rank,
-            layout.slot_bytes(),
-            cfg.fabric,
-            device_code,
-        );
+        let me = PeerInfo::local(world, rank, layout.slot_bytes(), cfg.fabric, device_code);
         let infos = wire::validate(&boot.all_gather_bytes("PeerInfo", &me.encode())?)?;
         let one_node = infos.iter().all(|p| p.host == infos[0].host);
         let fabric_kind = match cfg.fabric {
@@ -326,9 +320,8 @@ impl Arx {
                 .iter()
                 .filter(|p| p.host == infos[rank].host)
                 .count();
-            let ctx = device::gpu::device_count().and_then(|n| {
-                device::gpu::context(cfg.cuda_device.unwrap_or(local % n))
-            });
+            let ctx = device::gpu::device_count()
+                .and_then(|n| device::gpu::context(cfg.cuda_device.unwrap_or(local % n)));
             Some(boot.agree("CUDA context", ctx)?)
         } else {
             None

@@ -62,7 +62,7 @@ impl PeerInfo {
         }
     }
 
-    /// Encodes to exactly [`PEER_INFO_BYTES`] bytes.
+    /// Encodes to exactly `PEER_INFO_BYTES` bytes.
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(PEER_INFO_BYTES);
         b.extend_from_slice(&self.magic.to_le_bytes());

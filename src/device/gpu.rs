@@ -46,7 +46,7 @@ const THREADS: u32 = 256;
 /// Upper bound on blocks of one launch.
 const MAX_BLOCKS: u32 = 16;
 /// Vectors per thread per work chunk.
-const DEFAULT_UNROLL: u32 = 4;
+const DEFAULT_UNROLL: u32 = 2;
 
 fn cuda_err(call: &'static str) -> impl Fn(result::DriverError) -> Error {
     move |e| Error::Cuda {
@@ -204,8 +204,7 @@ unsafe impl Sync for Module {}
 
 impl Module {
     fn load(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Self> {
-        ctx.bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         // SAFETY: `image` is a complete CUBIN produced by NVRTC for this
         // device's architecture; the driver copies it.
         let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
@@ -299,8 +298,7 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
 /// Allocates the region in mapped pinned host memory (Verbs fabric: the NIC
 /// and the GPU both reach it).
 pub(crate) fn alloc_region(ctx: &Arc<CudaContext>, len: usize) -> Result<Region> {
-    ctx.bind_to_thread()
-        .map_err(cuda_err("cuCtxSetCurrent"))?;
+    ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
     let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
     // SAFETY: a fresh allocation; freed exactly once by the backing closure.
     let p = unsafe { result::malloc_host(len, flags) }.map_err(|e| Error::Cuda {
@@ -361,8 +359,7 @@ impl GpuSide {
     ) -> Result<Self> {
         let staging = cfg.staging;
         let timeout = cfg.timeout;
-        ctx.bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let can_map = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
             .map_err(cuda_err("cuDeviceGetAttribute"))?;
@@ -534,9 +531,7 @@ impl GpuSide {
     /// Waits for everything queued in the context (bounded: every arx
     /// kernel ends by its deadline).
     pub(crate) fn synchronize(&self) -> Result<()> {
-        self.ctx
-            .synchronize()
-            .map_err(cuda_err("cuCtxSynchronize"))
+        self.ctx.synchronize().map_err(cuda_err("cuCtxSynchronize"))
     }
 
     /// The device's call counter (after [`GpuSide::synchronize`]).

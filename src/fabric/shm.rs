@@ -82,6 +82,7 @@ fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
         } else {
             // SAFETY: `st` is plain old data filled by fstat.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fd is ours and `st` is a valid out-parameter.
             if unsafe { libc::fstat(fd, &mut st) } != 0 {
                 return Err(Error::last_os("fstat", name));
             }
