@@ -491,7 +491,7 @@ impl Arx {
         &mut self,
         input: &CudaSlice<T>,
         output: &mut CudaSlice<T>,
-        stream: &Arc<CudaStream>,
+        stream: &CudaStream,
     ) -> Result<()> {
         self.same_context(stream)?;
         if input.len() != output.len() {
@@ -516,7 +516,7 @@ impl Arx {
     pub fn allreduce_in_place<T: Element + DeviceRepr>(
         &mut self,
         buf: &mut CudaSlice<T>,
-        stream: &Arc<CudaStream>,
+        stream: &CudaStream,
     ) -> Result<()> {
         self.same_context(stream)?;
         let n = buf.len();
@@ -547,7 +547,7 @@ impl Arx {
         self.gpu_call(input, output, count, dtype, stream)
     }
 
-    fn same_context(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+    fn same_context(&mut self, stream: &CudaStream) -> Result<()> {
         match &self.side {
             Side::Gpu(g) if g.context().cu_ctx() == stream.context().cu_ctx() => Ok(()),
             Side::Gpu(g) => Err(Error::InvalidArgument(format!(

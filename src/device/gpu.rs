@@ -122,7 +122,7 @@ fn cubin(arch: &str) -> Result<Arc<Vec<u8>>> {
         "--fmad=false".into(),
     ]
     .into_iter()
-    .map(|o| CString::new(o).expect("options have no NUL"))
+    .filter_map(|o| CString::new(o).ok())
     .collect();
     let opt_ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
     let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
@@ -216,7 +216,7 @@ impl Module {
             "arx_allreduce_f32",
             "arx_convert_check",
         ]) {
-            let c = CString::new(name).expect("no NUL");
+            let c = CString::new(name).unwrap_or_default();
             // SAFETY: `module` was loaded above and stays loaded while
             // `Module` lives.
             match unsafe { result::module::get_function(module, c) } {
