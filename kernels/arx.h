@@ -36,7 +36,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 1u
+#define ARX_ABI_VERSION 2u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -94,7 +94,11 @@ typedef struct arx_ctrl {
     uint64_t err_flag;
     /* Deadline for one call's flag wait, in nanoseconds (set at start-up). */
     uint64_t timeout_ns;
-    uint64_t reserved[23];
+    /* Last seq whose sends the proxy has completed locally (the send slots
+     * of that seq and every earlier one may be overwritten); release-stored
+     * by the proxy. The GPU side's copy-engine staging waits on it. */
+    uint64_t sent;
+    uint64_t reserved[22];
 } arx_ctrl_t;
 
 /* Offsets of the region's sections, as computed by src/layout.rs. */
@@ -111,16 +115,32 @@ typedef struct arx_layout {
 
 /* Device-memory state of the GPU device side (not in the mapped region):
  * the call counter lives here so that a captured CUDA graph needs no host
- * work per replay. */
+ * work per replay. Work inside one launch is handed out by tickets, so no
+ * block ever waits for another block of its grid (a grid that is not fully
+ * co-resident, e.g. under MPS, still finishes); the last block to leave
+ * resets the tickets and advances seq. */
 typedef struct arx_gpu_state {
+    /* Last call launched and finished on this GPU side. */
     uint64_t seq;
-    /* Grid-wide rendezvous: blocks arrive after copying their part. */
-    uint32_t arrive;
-    /* Set to the current seq once every peer's flags are seen. */
+    /* Staging chunks handed out / finished (the block that finishes the
+     * last one publishes the call). */
+    uint32_t stage_next;
+    uint32_t staged;
+    /* Sum chunks handed out. */
+    uint32_t sum_next;
+    /* Blocks that have left the kernel. */
+    uint32_t depart;
+    /* Low 32 bits of the last seq whose flags some block saw complete. */
     uint32_t ready_seq;
+    /* Sticky ARX_STATUS_* of the first failure (device copy of ctrl.status). */
     uint32_t status;
+    /* Bound on one call's waits, in nanoseconds of %globaltimer. */
+    uint64_t timeout_ns;
+    /* Low 32 bits of the seq whose flags one block has taken on polling
+     * (the others watch ready_seq in device memory instead of PCIe). */
+    uint32_t poller;
     uint32_t pad;
-    uint64_t reserved[5];
+    uint64_t reserved[2];
 } arx_gpu_state_t;
 
 /* Kernel parameters, passed by value to every arx kernel. */
@@ -138,7 +158,9 @@ typedef struct arx_params {
     /* 1: the kernel stages the partial with SM stores and a system fence;
      * 0: the host staged it with a copy-engine copy before the launch. */
     uint32_t sm_staging;
-    uint32_t pad;
+    /* 16-byte vectors (or elements, for unaligned buffers) each thread
+     * handles per work chunk; at least 1. */
+    uint32_t unroll;
 } arx_params_t;
 
 #ifndef __CUDACC_RTC__

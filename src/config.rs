@@ -132,6 +132,16 @@ pub struct Config {
     pub gid_index: Option<u32>,
     /// CPU for the proxy thread (`ARX_PROXY_CPU`).
     pub proxy_cpu: Option<usize>,
+    /// CUDA device ordinal of the GPU device side (`ARX_CUDA_DEVICE`);
+    /// `None`: the rank's index among the ranks of its node, modulo the
+    /// number of visible devices.
+    pub cuda_device: Option<usize>,
+    /// Most blocks of one GPU launch (`ARX_GPU_BLOCKS`); `None`: chosen from
+    /// the SM count and the ranks sharing the GPU.
+    pub gpu_blocks: Option<u32>,
+    /// 16-byte vectors per thread per work chunk of the GPU kernel
+    /// (`ARX_GPU_UNROLL`); `None`: chosen by size.
+    pub gpu_unroll: Option<u32>,
 }
 
 /// Options the builder sets explicitly (each overrides its environment variable).
@@ -147,6 +157,7 @@ pub(crate) struct Overrides {
     pub devices: Option<Vec<String>>,
     pub gid_index: Option<u32>,
     pub proxy_cpu: Option<usize>,
+    pub cuda_device: Option<usize>,
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -329,6 +340,27 @@ impl Config {
             Some(c) => Some(c),
             None => env_var(&get, "ARX_PROXY_CPU", number::<usize>("ARX_PROXY_CPU"))?,
         };
+        let cuda_device = match o.cuda_device {
+            Some(c) => Some(c),
+            None => env_var(&get, "ARX_CUDA_DEVICE", number::<usize>("ARX_CUDA_DEVICE"))?,
+        };
+        let positive = |name: &'static str| {
+            move |s: &str| {
+                number::<u32>(name)(s).and_then(|v| {
+                    if v == 0 {
+                        Err(Error::Config {
+                            name,
+                            value: s.into(),
+                            reason: "must be at least 1".into(),
+                        })
+                    } else {
+                        Ok(v)
+                    }
+                })
+            }
+        };
+        let gpu_blocks = env_var(&get, "ARX_GPU_BLOCKS", positive("ARX_GPU_BLOCKS"))?;
+        let gpu_unroll = env_var(&get, "ARX_GPU_UNROLL", positive("ARX_GPU_UNROLL"))?;
         let max_slot = crate::abi::ARX_MAX_COUNT as usize;
         if slot_bytes == 0 || slot_bytes > max_slot {
             return Err(Error::Config {
@@ -349,6 +381,9 @@ impl Config {
             devices,
             gid_index,
             proxy_cpu,
+            cuda_device,
+            gpu_blocks,
+            gpu_unroll,
         })
     }
 }

@@ -229,6 +229,7 @@ impl Region {
         self.len
     }
     /// True for an empty region (never, in practice).
+    #[allow(dead_code)]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -341,6 +342,9 @@ impl Ctrl<'_> {
     }
     pub fn timeout_ns(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(timeout_ns))
+    }
+    pub fn sent(&self) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(sent))
     }
     /// True once the abort word is set.
     pub fn aborted(&self) -> bool {

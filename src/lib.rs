@@ -28,7 +28,9 @@
 //!
 //! | setting | choices (`ARX_*` variable) | default |
 //! |---|---|---|
-//! | device side | `host`, `gpu` (`ARX_DEVICE`) | gpu when a CUDA device is usable, else host |
+//! | device side | `host`, `gpu` (`ARX_DEVICE`) | gpu when every rank has a usable CUDA device, else host |
+//! | CUDA device | ordinal (`ARX_CUDA_DEVICE`) | node-local rank modulo visible devices |
+//! | GPU staging | `sm`, `copy` (`ARX_STAGING`) | sm |
 //! | fabric | `shm`, `verbs` (`ARX_FABRIC`) | shm when all ranks share a node, else verbs |
 //! | slot size | bytes, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`) | 1 MiB |
 //! | timeout | milliseconds (`ARX_TIMEOUT_MS`) | 10 s |
@@ -45,6 +47,27 @@
 //! * Ranks that disagree (configuration, or a call's length or dtype) all get
 //!   an error; none computes a wrong sum.
 //! * Memory is fixed at construction; no allocation on the call path.
+//!
+//! ## GPU buffers
+//!
+//! With the GPU device side, [`Arx::allreduce`] takes cudarc device slices
+//! and a stream, enqueues one kernel (plus two copies with
+//! [`Staging::CopyEngine`]) and returns: it never waits for the GPU and does
+//! no host work that a CUDA graph would have to repeat, so it can be
+//! captured (`CudaStream::begin_capture`) and replayed; the call counter
+//! lives in device memory. Errors the kernel records (a peer's timeout, an
+//! abort, a call mismatch) are returned by the next call, or at once by
+//! [`Arx::check`], which synchronizes. A failed kernel writes NaN to its
+//! output, so a replayed graph cannot pass a stale result off as new.
+//! [`Arx::allreduce_host`] works on a GPU instance too (it synchronizes the
+//! GPU first), so `DeviceKind::Auto` choosing the GPU side never breaks a
+//! program that uses host slices. Use [`Arx::allreduce_raw`] for device
+//! pointers from other frameworks.
+//!
+//! Cudarc's per-slice event tracking records events on the slices' streams;
+//! inside stream capture, either use one stream for everything or disable
+//! it (`CudaContext::disable_event_tracking`). Graphs captured from an
+//! instance must not be launched after the instance is dropped.
 //!
 //! ## Thread safety
 //!
@@ -86,7 +109,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use mpi::topology::Communicator;
+
+/// The cudarc version arx's GPU API takes (re-exported so callers use the same).
+pub use cudarc;
 
 pub use config::{
     Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT,
@@ -100,6 +127,12 @@ use bootstrap::Bootstrap;
 use fabric::Fabric;
 use layout::Region;
 use proxy::Proxy;
+
+/// Number of usable CUDA devices, or why the GPU device side cannot run
+/// here (no libcuda, no libnvrtc, no device). Never panics.
+pub fn gpu_available() -> Result<usize> {
+    device::gpu::device_count()
+}
 
 /// Options for [`Arx`]; each overrides its `ARX_*` environment variable.
 #[derive(Debug, Clone, Default)]
@@ -158,6 +191,11 @@ impl Builder {
         self.o.proxy_cpu = Some(c);
         self
     }
+    /// CUDA device ordinal of the GPU device side (`ARX_CUDA_DEVICE`).
+    pub fn cuda_device(mut self, ordinal: usize) -> Self {
+        self.o.cuda_device = Some(ordinal);
+        self
+    }
 
     /// Creates the instance: collective over `comm`, bounded by the timeout.
     /// Every rank returns an error if any rank fails or disagrees.
@@ -175,6 +213,7 @@ impl Builder {
 /// Which device side an instance runs.
 enum Side {
     Host,
+    Gpu(Box<device::gpu::GpuSide>),
 }
 
 /// One all-reduce instance over a communicator.
@@ -227,28 +266,36 @@ impl Arx {
         let world = boot.world();
         let rank = boot.rank();
 
-        // Device side.
-        let side = boot.agree(
-            "device side",
-            match cfg.device {
-                DeviceKind::Auto | DeviceKind::Host => Ok(Side::Host),
-                DeviceKind::Gpu => Err(Error::Unavailable {
-                    what: "the GPU device side",
-                    reason: "this build's GPU path is not available yet; use ARX_DEVICE=host"
-                        .into(),
-                }),
-            },
-        )?;
+        // Device side. Auto takes the GPU only if every rank can, so that
+        // all ranks run the same side (and a rank without a GPU does not
+        // fail a job that never asked for one).
+        let want_gpu = match cfg.device {
+            DeviceKind::Host => false,
+            DeviceKind::Gpu => {
+                boot.agree("GPU device side", device::gpu::device_count().map(|_| ()))?;
+                true
+            }
+            DeviceKind::Auto => {
+                let ok = match device::gpu::device_count() {
+                    Ok(_) => true,
+                    Err(e) => {
+                        log::debug!("arx: device side auto: host ({e})");
+                        false
+                    }
+                };
+                let all = boot.all_gather_bytes("GPU availability", &[u8::from(ok)])?;
+                all.iter().all(|b| b.first() == Some(&1))
+            }
+        };
+        let device_code = if want_gpu {
+            DeviceKind::Gpu.code()
+        } else {
+            DeviceKind::Host.code()
+        };
         let layout = boot.agree("layout", Layout::new(world, rank, cfg.slot_bytes))?;
 
         // Everyone's description, validated identically on every rank.
-        let me = PeerInfo::local(
-            world,
-            rank,
-            layout.slot_bytes(),
-            cfg.fabric,
-            DeviceKind::Host.code(),
-        );
+        let me = PeerInfo::local(world, rank, layout.slot_bytes(), cfg.fabric, device_code);
         let infos = wire::validate(&boot.all_gather_bytes("PeerInfo", &me.encode())?)?;
         let one_node = infos.iter().all(|p| p.host == infos[0].host);
         let local_ranks = infos.iter().filter(|p| p.host == infos[rank].host).count();
@@ -272,6 +319,21 @@ impl Arx {
             });
         }
 
+        // The CUDA context: this rank's index among the ranks of its node
+        // picks the device unless one was set.
+        let ranks_on_node = infos.iter().filter(|p| p.host == infos[rank].host).count();
+        let ctx = if want_gpu {
+            let local = infos[..rank]
+                .iter()
+                .filter(|p| p.host == infos[rank].host)
+                .count();
+            let ctx = device::gpu::device_count()
+                .and_then(|n| device::gpu::context(cfg.cuda_device.unwrap_or(local % n)));
+            Some(boot.agree("CUDA context", ctx)?)
+        } else {
+            None
+        };
+
         // Region and fabric.
         let (region, fabric): (Arc<Region>, Box<dyn Fabric>) = match fabric_kind {
             FabricKind::Shm => {
@@ -283,8 +345,11 @@ impl Arx {
                 )
             }
             _ => {
-                let region =
-                    Arc::new(boot.agree("region", Region::anonymous(layout.region_bytes()))?);
+                let region = match &ctx {
+                    Some(c) => device::gpu::alloc_region(c, layout.region_bytes()),
+                    None => Region::anonymous(layout.region_bytes()),
+                };
+                let region = Arc::new(boot.agree("region", region)?);
                 let f = fabric::verbs::connect(&boot, &cfg, &layout, &region)?;
                 (region, Box::new(f))
             }
@@ -293,6 +358,22 @@ impl Arx {
             .ctrl()
             .timeout_ns()
             .store(cfg.timeout.as_nanos() as u64, Ordering::Relaxed);
+        // The GPU side is complete (region mapped, kernels loaded, device
+        // state initialised) before the proxy starts.
+        let side = match ctx {
+            Some(ctx) => {
+                let g = device::gpu::GpuSide::new(
+                    ctx,
+                    Arc::clone(&region),
+                    fabric_kind == FabricKind::Shm,
+                    layout,
+                    &cfg,
+                    ranks_on_node,
+                );
+                Side::Gpu(Box::new(boot.agree("GPU side", g)?))
+            }
+            None => Side::Host,
+        };
         let fabric_name = fabric.name();
         let fabric_desc = fabric.describe();
         let proxy = boot.agree(
@@ -301,7 +382,11 @@ impl Arx {
         )?;
         boot.barrier("start-up barrier")?;
         log::info!(
-            "arx: rank {rank}/{world} ready: device host, fabric {fabric_name} ({fabric_desc}), {} bytes mapped",
+            "arx: rank {rank}/{world} ready: device {}, fabric {fabric_name} ({fabric_desc}), {} bytes mapped",
+            match &side {
+                Side::Host => "host".to_string(),
+                Side::Gpu(g) => g.describe(),
+            },
             layout.region_bytes()
         );
         Ok(Arx {
@@ -339,6 +424,7 @@ impl Arx {
         Description {
             device: match self.side {
                 Side::Host => "host",
+                Side::Gpu(_) => "gpu",
             },
             fabric: self.fabric_name,
             fabric_detail: self.fabric_desc.clone(),
@@ -354,12 +440,195 @@ impl Arx {
         self.boot.barrier("user barrier")
     }
 
-    /// Returns the sticky error, or the proxy's, before a call.
+    /// Returns the sticky error, the proxy's or the kernel's, before a call.
     fn ready(&mut self) -> Result<()> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
+        if let Side::Gpu(g) = &self.side {
+            if let Some(e) = g.kernel_error(self.proxy.shared()) {
+                self.failed = Some(e.clone());
+                return Err(e);
+            }
+        }
         proxy::check(&self.proxy).inspect_err(|e| self.failed = Some(e.clone()))
+    }
+
+    /// Waits for every call enqueued on the GPU and returns the first error
+    /// of this instance (kernel, proxy or earlier call), if any. On the host
+    /// device side it only returns the recorded error.
+    pub fn check(&mut self) -> Result<()> {
+        if let Side::Gpu(g) = &self.side {
+            if let Err(e) = g.synchronize() {
+                self.failed.get_or_insert(e.clone());
+                return Err(e);
+            }
+        }
+        self.ready()
+    }
+
+    /// The CUDA context of the GPU device side (None on the host side).
+    pub fn cuda_context(&self) -> Option<&Arc<CudaContext>> {
+        match &self.side {
+            Side::Gpu(g) => Some(g.context()),
+            Side::Host => None,
+        }
+    }
+
+    /// The call number the next host-side call uses. On the GPU side the
+    /// counter lives in device memory (graph replays advance it without
+    /// the host), so the GPU is synchronized and the counter read.
+    fn next_host_seq(&mut self) -> Result<u64> {
+        match &self.side {
+            Side::Host => Ok(self.seq + 1),
+            Side::Gpu(g) => {
+                g.synchronize()?;
+                if let Some(e) = g.kernel_error(self.proxy.shared()) {
+                    return Err(e);
+                }
+                Ok(g.device_seq()? + 1)
+            }
+        }
+    }
+
+    /// Sums `input` over all ranks into `output` (GPU memory), enqueued on
+    /// `stream`. Every rank gets the same bits. Returns once the work is
+    /// enqueued; errors the kernel records come back from the next call or
+    /// from [`Arx::check`]. Capturable into a CUDA graph.
+    pub fn allreduce<T: Element + DeviceRepr>(
+        &mut self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.same_context(stream)?;
+        if input.len() != output.len() {
+            let e = Error::InvalidArgument(format!(
+                "input has {} elements, output {}",
+                input.len(),
+                output.len()
+            ));
+            return self.refuse_gpu(output.len(), e, stream.cu_stream());
+        }
+        let n = output.len();
+        let (i, _ri) = input.device_ptr(stream);
+        let (o, _ro) = output.device_ptr_mut(stream);
+        // SAFETY: both slices are live device allocations of `n` elements of
+        // T in this context (checked), borrowed until the launch is enqueued;
+        // cudarc's events order later uses of them after the kernel.
+        unsafe { self.gpu_call(i, o, n, T::DTYPE, stream.cu_stream()) }
+    }
+
+    /// In-place variant of [`Arx::allreduce`]: `buf` holds this rank's
+    /// partial and receives the sum.
+    pub fn allreduce_in_place<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.same_context(stream)?;
+        let n = buf.len();
+        let (p, _r) = buf.device_ptr_mut(stream);
+        // SAFETY: as in `allreduce`; input and output may alias (each
+        // element is read before it is written, and the partial is staged
+        // before any output is written).
+        unsafe { self.gpu_call(p, p, n, T::DTYPE, stream.cu_stream()) }
+    }
+
+    /// [`Arx::allreduce`] on raw device addresses, for interop with other
+    /// CUDA frameworks. `input == output` is allowed.
+    ///
+    /// # Safety
+    /// `input` and `output` must be device addresses (in this instance's
+    /// context, see [`Arx::cuda_context`]) valid for `count` elements of
+    /// `dtype` until the call completes on `stream`, and `stream` must be a
+    /// live stream of that context. Nothing else may write `input` or
+    /// access `output` until then.
+    pub unsafe fn allreduce_raw(
+        &mut self,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: Dtype,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        self.gpu_call(input, output, count, dtype, stream)
+    }
+
+    fn same_context(&mut self, stream: &CudaStream) -> Result<()> {
+        match &self.side {
+            Side::Gpu(g) if g.context().cu_ctx() == stream.context().cu_ctx() => Ok(()),
+            Side::Gpu(g) => Err(Error::InvalidArgument(format!(
+                "the stream belongs to CUDA device {}, this instance to device {}",
+                stream.context().ordinal(),
+                g.context().ordinal()
+            ))),
+            Side::Host => Err(Error::InvalidArgument(
+                "this instance runs the host device side (no usable GPU, or ARX_DEVICE=host): use allreduce_host".into(),
+            )),
+        }
+    }
+
+    /// # Safety
+    /// As [`Arx::allreduce_raw`].
+    unsafe fn gpu_call(
+        &mut self,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: Dtype,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        self.ready()?;
+        let max = (self.layout.slot_bytes() / dtype.size()).min(abi::ARX_MAX_COUNT as usize);
+        if count > max {
+            let e = Error::InvalidArgument(format!(
+                "{count} elements of {} ({} bytes) exceed the slot of {} bytes (ARX_SLOT_BYTES)",
+                dtype.name(),
+                count * dtype.size(),
+                self.layout.slot_bytes()
+            ));
+            return self.refuse_gpu(count, e, stream);
+        }
+        let Side::Gpu(g) = &self.side else {
+            return Err(Error::InvalidArgument(
+                "this instance runs the host device side: use allreduce_host".into(),
+            ));
+        };
+        let r = g.launch(input, output, count, dtype.code(), stream);
+        self.seq += 1;
+        r.inspect_err(|e| self.failed = Some(e.clone()))
+    }
+
+    /// Refuses a GPU call: the kernel publishes it with the "invalid" dtype
+    /// and no data (so peers fail at once, also inside a graph), and this
+    /// rank returns `err`; the instance is failed afterwards.
+    fn refuse_gpu(
+        &mut self,
+        count: usize,
+        err: Error,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        self.ready()?;
+        if let Side::Gpu(g) = &self.side {
+            let c = count.min(abi::ARX_MAX_COUNT as usize);
+            // SAFETY: an INVALID call touches no input or output memory.
+            if let Err(e) = unsafe { g.launch(0, 0, c, abi::ARX_DTYPE_INVALID, stream) } {
+                log::warn!("arx: could not announce the refused call to peers: {e}");
+            }
+        }
+        self.failed = Some(err.clone());
+        Err(err)
+    }
+
+    /// Test hook: the kernels' own f32 → bf16/f16 conversions (and back) on
+    /// `bits`, to compare with the `half` crate.
+    #[doc(hidden)]
+    pub fn gpu_convert_check(&self, bits: &[u32]) -> Result<device::gpu::ConvertOut> {
+        match &self.side {
+            Side::Gpu(g) => g.convert_check(bits),
+            Side::Host => Err(Error::InvalidArgument("no GPU side".into())),
+        }
     }
 
     fn check_len<T: Element>(&self, n: usize) -> Result<()> {
@@ -399,19 +668,24 @@ impl Arx {
         if let Err(e) = self.check_len::<T>(output.len()) {
             return self.refuse(output.len(), e);
         }
-        let seq = self.seq + 1;
-        let r = match self.side {
-            Side::Host => device::host::allreduce(
-                &self.region,
-                &self.layout,
-                &self.cfg,
-                self.proxy.shared(),
-                seq,
-                input,
-                output,
-            ),
-        };
+        let seq = self
+            .next_host_seq()
+            .inspect_err(|e| self.failed = Some(e.clone()))?;
+        let r = device::host::allreduce(
+            &self.region,
+            &self.layout,
+            &self.cfg,
+            self.proxy.shared(),
+            seq,
+            input,
+            output,
+        );
         self.seq = seq;
+        let r = match (&self.side, r) {
+            // The device counter follows the host call.
+            (Side::Gpu(g), Ok(())) => g.set_device_seq(seq),
+            (_, r) => r,
+        };
         r.inspect_err(|e| self.failed = Some(e.clone()))
     }
 
@@ -420,7 +694,14 @@ impl Arx {
     /// so every peer fails at once with a [`Error::CallMismatch`] naming this
     /// rank, and this rank returns `err`. The instance is failed afterwards.
     fn refuse(&mut self, count: usize, err: Error) -> Result<()> {
-        let seq = self.seq + 1;
+        let seq = match self.next_host_seq() {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("arx: could not announce the refused call to peers: {e}");
+                self.failed = Some(err.clone());
+                return Err(err);
+            }
+        };
         let ctrl = self.region.ctrl();
         let p = (seq & 1) as usize;
         ctrl.meta(p).store(
@@ -429,7 +710,23 @@ impl Arx {
         );
         ctrl.seq().store(seq, Ordering::Release);
         self.seq = seq;
+        if let Side::Gpu(g) = &self.side {
+            let _ = g.set_device_seq(seq);
+        }
         self.failed = Some(err.clone());
         Err(err)
+    }
+}
+
+impl Drop for Arx {
+    fn drop(&mut self) {
+        // Kernels in flight need the proxy (peers wait for this rank's
+        // sends): let them finish (each ends by its deadline) before the
+        // fields, the proxy first, are dropped.
+        if let Side::Gpu(g) = &self.side {
+            if let Err(e) = g.synchronize() {
+                log::warn!("arx: synchronize at drop failed: {e}");
+            }
+        }
     }
 }

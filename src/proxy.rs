@@ -27,6 +27,8 @@ use crate::spin::Backoff;
 struct Engine {
     fabric: Box<dyn Fabric>,
     posted: u64,
+    /// Last seq whose sends all completed locally (mirrored in ctrl.sent).
+    sent: u64,
 }
 
 /// State shared by the proxy thread and the caller.
@@ -71,6 +73,12 @@ impl Shared {
         }
         if let Err(e) = g.fabric.progress() {
             self.record(e);
+        }
+        // Every send up to `posted` completed locally: its send slots may be
+        // reused (the GPU side's copy-engine staging waits for this).
+        if g.posted > g.sent && g.fabric.quiescent() {
+            g.sent = g.posted;
+            ctrl.sent().store(g.sent, Ordering::Release);
         }
         busy
     }
@@ -125,7 +133,7 @@ impl Proxy {
             stop: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
-            engine: Mutex::new(Engine { fabric, posted: 0 }),
+            engine: Mutex::new(Engine { fabric, posted: 0, sent: 0 }),
         });
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();

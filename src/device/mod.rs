@@ -4,4 +4,5 @@
 //! embedded default, and how CI exercises the proxy and fabrics); `Gpu` runs
 //! it inside the arx CUDA kernel.
 
+pub(crate) mod gpu;
 pub(crate) mod host;

@@ -1,0 +1,607 @@
+/*
+ * arx all-reduce kernels (bf16, f16, f32), compiled at run time by NVRTC.
+ *
+ * No CUDA headers: arx.h is handed to NVRTC as a named header, and the
+ * bf16/f16 <-> f32 conversions are written out by hand so that they match
+ * the Rust `half` crate bit for bit (round to nearest even; NaN keeps its
+ * sign and payload and gets the quiet bit), which is what the Host device
+ * side and the tests' CPU reference use.
+ *
+ * One launch runs one call of the protocol in arx.h:
+ *
+ *   stage    copy the input into send[p] (SM staging) or find it already
+ *            there (copy-engine staging); a system-scope fence; the block
+ *            that finishes the last staging chunk publishes meta[p] then
+ *            ctrl.seq (st.release.sys);
+ *   wait     poll every peer's flags with ld.acquire.sys, bounded by the
+ *            abort word and a %globaltimer deadline; a block that sees them
+ *            all complete posts ready_seq in device memory, which lets the
+ *            other blocks stop polling the (PCIe-distant) flags early;
+ *   sum      rank-order fp32 sum, one rounding, into the output; peers'
+ *            partials are read with ld.global.cv (never a stale cached line);
+ *   leave    the last block out resets the tickets, advances state.seq and
+ *            stores ctrl.done (and poisons the output with NaN if the call
+ *            failed).
+ *
+ * Deadlock freedom: no block ever waits for another block of its grid. Work
+ * is handed out by tickets (atomic counters in device memory), so the grid
+ * completes even if only one of its blocks is resident at a time (MPS ranks
+ * sharing SMs, a busy GPU): a resident block keeps taking staging chunks
+ * until none are left, so the publish never depends on an unscheduled block.
+ * Every wait is bounded by the deadline and the abort word.
+ */
+#include "arx.h"
+
+#define ARX_THREADS 256
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct __align__(16) vec4 {
+    u32 x, y, z, w;
+};
+
+/* ------------------------------------------------------------------ */
+/* Memory operations with explicit scopes (PTX ISA memory model).       */
+
+__device__ __forceinline__ u64 ld_acquire_sys_u64(const u64 *p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_sys_u32(const u32 *p) {
+    u32 v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(u64 *p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_u32(u32 *p, u32 v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys_u64(u64 *p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys_u32(u32 *p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32 *p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_gpu_u32(const u32 *p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu_u32(u32 *p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32 *p, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32 *p, u32 cmp, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.cas.b32 %0, [%1], %2, %3;"
+                 : "=r"(old)
+                 : "l"(p), "r"(cmp), "r"(v)
+                 : "memory");
+    return old;
+}
+__device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+/* Peers' partials: written by the NIC or another process, so never trust a
+ * cached line (cv: "consider cached system memory lines stale, fetch again"). */
+__device__ __forceinline__ vec4 ld_cv_v4(const void *p) {
+    vec4 v;
+    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_cv_u32(const void *p) {
+    u32 v;
+    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u16 ld_cv_u16(const void *p) {
+    u16 v;
+    asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* ------------------------------------------------------------------ */
+/* Conversions, bit for bit as the `half` crate (v2) does them.         */
+
+__device__ __forceinline__ float bits_f32(u32 b) { return __int_as_float((int)b); }
+__device__ __forceinline__ u32 f32_bits(float f) { return (u32)__float_as_int(f); }
+
+__device__ __forceinline__ float bf16_to_f32(u16 i) {
+    if ((i & 0x7FFFu) > 0x7F80u) return bits_f32(((u32)i | 0x0040u) << 16);
+    return bits_f32((u32)i << 16);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float v) {
+    u32 x = f32_bits(v);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((x >> 16) | 0x0040u);
+    const u32 round_bit = 0x00008000u;
+    if ((x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0) return (u16)((x >> 16) + 1);
+    return (u16)(x >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 i) {
+    if ((i & 0x7FFFu) == 0) return bits_f32((u32)i << 16);
+    u32 half_sign = (u32)(i & 0x8000u);
+    u32 half_exp = (u32)(i & 0x7C00u);
+    u32 half_man = (u32)(i & 0x03FFu);
+    if (half_exp == 0x7C00u) {
+        if (half_man == 0) return bits_f32((half_sign << 16) | 0x7F800000u);
+        return bits_f32((half_sign << 16) | 0x7FC00000u | (half_man << 13));
+    }
+    u32 sign = half_sign << 16;
+    int unbiased_exp = ((int)half_exp >> 10) - 15;
+    if (half_exp == 0) {
+        /* leading zeros of the 16-bit mantissa, minus the 6 non-mantissa bits */
+        int e = (__clz((int)half_man) - 16) - 6;
+        u32 exp = (u32)(127 - 15 - e) << 23;
+        u32 man = (half_man << (14 + e)) & 0x7FFFFFu;
+        return bits_f32(sign | exp | man);
+    }
+    u32 exp = (u32)(unbiased_exp + 127) << 23;
+    u32 man = (half_man & 0x03FFu) << 13;
+    return bits_f32(sign | exp | man);
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float v) {
+    u32 x = f32_bits(v);
+    u32 sign = x & 0x80000000u;
+    u32 exp = x & 0x7F800000u;
+    u32 man = x & 0x007FFFFFu;
+    if (exp == 0x7F800000u) {
+        u32 nan_bit = man == 0 ? 0u : 0x0200u;
+        return (u16)((sign >> 16) | 0x7C00u | nan_bit | (man >> 13));
+    }
+    u32 half_sign = sign >> 16;
+    int unbiased_exp = (int)(exp >> 23) - 127;
+    int half_exp = unbiased_exp + 15;
+    if (half_exp >= 0x1F) return (u16)(half_sign | 0x7C00u);
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) return (u16)half_sign;
+        u32 m = man | 0x00800000u;
+        u32 half_man = m >> (14 - half_exp);
+        u32 round_bit = 1u << (13 - half_exp);
+        if ((m & round_bit) != 0 && (m & (3 * round_bit - 1)) != 0) half_man += 1;
+        return (u16)(half_sign | half_man);
+    }
+    u32 he = (u32)half_exp << 10;
+    u32 half_man = man >> 13;
+    const u32 round_bit = 0x00001000u;
+    if ((man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0)
+        return (u16)((half_sign | he | half_man) + 1);
+    return (u16)(half_sign | he | half_man);
+}
+
+/* Element traits: storage type, lanes per 16-byte vector, NaN poison. */
+struct T_bf16 {
+    typedef u16 S;
+    static __device__ __forceinline__ float load(S s) { return bf16_to_f32(s); }
+    static __device__ __forceinline__ S store(float f) { return f32_to_bf16(f); }
+    static __device__ __forceinline__ S poison() { return (S)0x7FC0u; }
+};
+struct T_f16 {
+    typedef u16 S;
+    static __device__ __forceinline__ float load(S s) { return f16_to_f32(s); }
+    static __device__ __forceinline__ S store(float f) { return f32_to_f16(f); }
+    static __device__ __forceinline__ S poison() { return (S)0x7E00u; }
+};
+struct T_f32 {
+    typedef u32 S;
+    static __device__ __forceinline__ float load(S s) { return bits_f32(s); }
+    static __device__ __forceinline__ S store(float f) { return f32_bits(f); }
+    static __device__ __forceinline__ S poison() { return 0x7FC00000u; }
+};
+
+__device__ __forceinline__ u16 ld_cv_elem(const u16 *p) { return ld_cv_u16(p); }
+__device__ __forceinline__ u32 ld_cv_elem(const u32 *p) { return ld_cv_u32(p); }
+
+/* Unpacks a 16-byte vector into f32 lanes and adds it to acc (lane order). */
+template <class T>
+__device__ __forceinline__ void acc_add(float *acc, vec4 v) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if (sizeof(typename T::S) == 2) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            acc[2 * k] += T::load((u16)(w[k] & 0xFFFFu));
+            acc[2 * k + 1] += T::load((u16)(w[k] >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[k] += T::load(w[k]);
+    }
+}
+
+template <class T>
+__device__ __forceinline__ vec4 acc_pack(const float *acc) {
+    vec4 v;
+    u32 w[4];
+    if (sizeof(typename T::S) == 2) {
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            w[k] = (u32)T::store(acc[2 * k]) | ((u32)T::store(acc[2 * k + 1]) << 16);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) w[k] = (u32)T::store(acc[k]);
+    }
+    v.x = w[0];
+    v.y = w[1];
+    v.z = w[2];
+    v.w = w[3];
+    return v;
+}
+
+/* ------------------------------------------------------------------ */
+
+/* Records the first failure of this GPU side: device copy first (so the
+ * other blocks stop at once), then the details and ctrl.status in mapped
+ * memory for the host. */
+__device__ void arx_fail(arx_ctrl_t *ctrl, arx_gpu_state_t *st, u32 code, u32 peer, u32 lane,
+                         u64 seq, u64 flag) {
+    if (atom_cas_acq_rel_gpu(&st->status, 0u, code) == 0u) {
+        st_relaxed_sys_u32(&ctrl->err_peer, peer);
+        st_relaxed_sys_u32(&ctrl->err_lane, lane);
+        st_relaxed_sys_u64(&ctrl->err_seq, seq);
+        st_relaxed_sys_u64(&ctrl->err_flag, flag);
+        st_release_sys_u32(&ctrl->status, code);
+    }
+}
+
+/* The grid's sticky status, read once for the whole block (uniform). */
+__device__ __forceinline__ u32 block_status(arx_gpu_state_t *st, u32 *s_slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) *s_slot = ld_relaxed_gpu_u32(&st->status);
+    __syncthreads();
+    return *s_slot;
+}
+
+/* Takes the next ticket of `counter` for the whole block. */
+__device__ __forceinline__ u32 block_ticket(u32 *counter, u32 *s_slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) *s_slot = atomicAdd(counter, 1u);
+    __syncthreads();
+    return *s_slot;
+}
+
+template <class T>
+__device__ void arx_run(const arx_params_t &p) {
+    typedef typename T::S S;
+    const u32 VE = 16 / sizeof(S); /* elements per 16-byte vector */
+    const u32 tid = threadIdx.x;
+    const u32 bd = blockDim.x;
+    unsigned char *region = (unsigned char *)p.region;
+    arx_ctrl_t *ctrl = (arx_ctrl_t *)(region + p.layout.ctrl_off);
+    arx_gpu_state_t *st = (arx_gpu_state_t *)p.state;
+    const u32 world = p.layout.world;
+    const u32 me = p.layout.rank;
+    const u64 slot = p.layout.slot_bytes;
+    /* A refused call (dtype INVALID) announces its count but moves no data. */
+    const u32 count = p.dtype == ARX_DTYPE_INVALID ? 0u : p.count;
+
+    __shared__ u32 s_ticket;
+    __shared__ u32 s_poll;
+    __shared__ u32 s_status;
+
+    /* Every block reads seq before it can depart; the last block to depart
+     * advances it, so every block of this launch sees the same value. */
+    const u64 seq = st->seq + 1;
+    const u32 seq32 = (u32)seq;
+    const u32 par = (u32)(seq & 1);
+    const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
+                     ((u64)(p.dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
+                     ((u64)p.count & ARX_FLAG_COUNT_MASK);
+
+    const S *in = (const S *)p.input;
+    S *out = (S *)p.output;
+    S *send = (S *)(region + p.layout.send_off + par * slot);
+    const bool vec = ((p.input | p.output) & 15ull) == 0;
+    const u32 unit = vec ? VE : 1u; /* elements per thread per chunk */
+    const u32 nunits = (count + unit - 1) / unit;
+    const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
+    const u32 per_chunk = bd * unroll; /* units per chunk */
+    const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
+    /* At least one of each so that a zero-length call still publishes and
+     * waits (its flags keep the ranks in step). */
+    const u32 nstage = p.sm_staging ? (nchunks > 0 ? nchunks : 1u) : 1u;
+    const u32 nsum = nchunks > 0 ? nchunks : 1u;
+
+    bool failed = block_status(st, &s_ticket) != 0;
+
+    /* ---- stage and publish ---- */
+    if (!failed) {
+        u32 mine = 0;
+        for (;;) {
+            u32 c = block_ticket(&st->stage_next, &s_ticket);
+            if (c >= nstage) break;
+            mine++;
+            if (p.sm_staging && nchunks > 0) {
+                for (u32 k = 0; k < unroll; k++) {
+                    u32 u = c * per_chunk + k * bd + tid;
+                    if (u >= nunits) break;
+                    u32 e0 = u * unit;
+                    if (vec && e0 + VE <= count) {
+                        vec4 v = *(const vec4 *)(in + e0);
+                        *(vec4 *)(send + e0) = v;
+                    } else {
+                        u32 e1 = e0 + unit < count ? e0 + unit : count;
+                        for (u32 e = e0; e < e1; e++) send[e] = in[e];
+                    }
+                }
+            }
+        }
+        if (mine > 0) {
+            /* Each thread's stores to the mapped slot are made visible
+             * system-wide before the block reports its chunks done. */
+            fence_sc_sys();
+            __syncthreads();
+            if (tid == 0) {
+                u32 before = atom_add_acq_rel_gpu(&st->staged, mine);
+                if (before + mine == nstage) {
+                    /* Every chunk is staged: each thread fenced its stores
+                     * at system scope before its block counted them, and the
+                     * acq_rel chain orders those before this release. */
+                    st_relaxed_sys_u64(&ctrl->meta[par], flag);
+                    st_release_sys_u64(&ctrl->seq, seq);
+                }
+            }
+        }
+    }
+
+    /* ---- wait for every peer, then sum ---- */
+    const u32 nflags = (world - 1) * ARX_LANES;
+    bool ready = false;
+    while (!failed) {
+        u32 c = block_ticket(&st->sum_next, &s_ticket);
+        if (c >= nsum) break;
+        if (!ready) {
+            /* Bounded wait. Thread i < nflags polls flag i (peer me+1+i/2,
+             * lane i%2), the last thread watches the clock, the abort word,
+             * the grid's status and ready_seq. */
+            const u64 t0 = globaltimer();
+            const u64 limit = st->timeout_ns;
+            u32 have = 0; /* bit k: this thread's k-th flag arrived */
+            u32 round = 0;
+            /* One block per call polls the peers' flags (PCIe reads on a
+             * discrete GPU, which would compete with the payload reads if
+             * every block polled); the others watch ready_seq and the status
+             * in device memory. The poller is a running block, so waiting
+             * for it needs no other block to be scheduled. */
+            if (tid == 0) {
+                u32 old = ld_relaxed_gpu_u32(&st->poller);
+                s_poll = (old != seq32 && atom_cas_acq_rel_gpu(&st->poller, old, seq32) == old);
+            }
+            __syncthreads();
+            const bool poller = s_poll != 0;
+            for (;; round++) {
+                u32 ok = 1, bad = 0, stop = 0;
+                u32 k = 0;
+                if (!poller) ok = 0;
+                for (u32 i = tid; poller && i < nflags; i += bd, k++) {
+                    if (k < 32 && (have >> k) & 1u) continue;
+                    u32 q = (me + 1 + i / ARX_LANES) % world;
+                    u32 lane = i % ARX_LANES;
+                    const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
+                                    ((u64)(par * world + q) * ARX_LANES + lane);
+                    u64 f = ld_acquire_sys_u64(fp);
+                    if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) == seq32) {
+                        if (f != flag) {
+                            /* Same call, other count or dtype. */
+                            arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
+                            bad = 1;
+                        } else if (k < 32) {
+                            have |= 1u << k;
+                        }
+                    } else {
+                        ok = 0;
+                    }
+                }
+                if (tid == bd - 1) {
+                    /* Our own partial must be fully staged before any block
+                     * writes the output (in place, the output is the input
+                     * the staging reads). Blocks holding staging chunks are
+                     * running, so this wait needs no other block scheduled. */
+                    if (ld_acquire_gpu_u32(&st->staged) < nstage) ok = 0;
+                    if (ld_acquire_gpu_u32(&st->ready_seq) == seq32) {
+                        stop = 1; /* another block saw it all complete */
+                        s_status = 0;
+                    } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
+                        stop = 1;
+                        s_status = ld_relaxed_gpu_u32(&st->status);
+                    } else if (poller && (round & 7) == 7 &&
+                               ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                        /* (a PCIe round trip on discrete GPUs: not every round) */
+                        stop = 1;
+                        s_status = ARX_STATUS_ABORTED;
+                    } else if (globaltimer() - t0 > limit) {
+                        stop = 1;
+                        s_status = ARX_STATUS_TIMEOUT;
+                    }
+                }
+                /* Uniform decisions: every thread leaves in the same round. */
+                int any_bad = __syncthreads_or((int)bad);
+                int all = __syncthreads_and((int)ok);
+                int any_stop = __syncthreads_or((int)stop);
+                if (any_bad) {
+                    failed = true;
+                    break;
+                }
+                if (all) {
+                    /* ld.acquire.sys by the pollers, then the barrier:
+                     * everything the peers wrote before their flags is
+                     * visible to the whole block. */
+                    if (tid == 0) st_release_gpu_u32(&st->ready_seq, seq32);
+                    break;
+                }
+                if (any_stop) {
+                    u32 why = s_status;
+                    if (why == ARX_STATUS_TIMEOUT || why == ARX_STATUS_ABORTED) {
+                        /* Name a missing peer and lane: the first thread to
+                         * record wins; the rest are no-ops. */
+                        u32 kk = 0;
+                        for (u32 i = tid; i < nflags; i += bd, kk++) {
+                            if (kk < 32 && (have >> kk) & 1u) continue;
+                            u32 q = (me + 1 + i / ARX_LANES) % world;
+                            u32 lane = i % ARX_LANES;
+                            const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
+                                            ((u64)(par * world + q) * ARX_LANES + lane);
+                            u64 f = ld_acquire_sys_u64(fp);
+                            if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) != seq32) {
+                                arx_fail(ctrl, st, why, q, lane, seq, f);
+                                break;
+                            }
+                        }
+                        __syncthreads();
+                        /* No flag missing: our own staging did not finish. */
+                        if (tid == 0) arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, 0);
+                    }
+                    if (why != 0) failed = true;
+                    break;
+                }
+            }
+            /* `failed` and the exit reason are uniform across the block. */
+            if (failed) break;
+            ready = true;
+        }
+
+        /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
+        for (u32 k = 0; k < unroll; k++) {
+        u32 u = c * per_chunk + k * bd + tid;
+        if (u >= nunits) break;
+        {
+            u32 e0 = u * unit;
+            if (vec && e0 + VE <= count) {
+                float acc[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[k] = 0.0f;
+                /* Loads for up to 8 ranks in flight, then added in rank order. */
+                for (u32 r0 = 0; r0 < world; r0 += 8) {
+                    vec4 v[8];
+                    u32 nr = world - r0 < 8 ? world - r0 : 8;
+#pragma unroll
+                    for (u32 j = 0; j < 8; j++) {
+                        if (j < nr) {
+                            u32 r = r0 + j;
+                            if (r == me) {
+                                v[j] = *(const vec4 *)(in + e0);
+                            } else {
+                                const unsigned char *src =
+                                    region + p.layout.recv_off + ((u64)par * world + r) * slot;
+                                v[j] = ld_cv_v4(src + (u64)e0 * sizeof(S));
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (u32 j = 0; j < 8; j++)
+                        if (j < nr) acc_add<T>(acc, v[j]);
+                }
+                *(vec4 *)(out + e0) = acc_pack<T>(acc);
+            } else {
+                u32 e1 = e0 + unit < count ? e0 + unit : count;
+                for (u32 e = e0; e < e1; e++) {
+                    float a = 0.0f;
+                    for (u32 r = 0; r < world; r++) {
+                        S s;
+                        if (r == me) {
+                            s = in[e];
+                        } else {
+                            const S *src = (const S *)(region + p.layout.recv_off +
+                                                       ((u64)par * world + r) * slot);
+                            s = ld_cv_elem(src + e);
+                        }
+                        a += T::load(s);
+                    }
+                    out[e] = T::store(a);
+                }
+            }
+        }
+        }
+    }
+
+    /* ---- leave: the last block out closes the call ---- */
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        s_ticket = atom_add_acq_rel_gpu(&st->depart, 1u);
+    }
+    __syncthreads();
+    if (s_ticket != gridDim.x - 1) return;
+
+    /* Copy-engine staging: the host copies the next call's partial into
+     * both send slots, so this call may end only once the proxy has finished
+     * reading this call's slot (bounded like every wait). */
+    if (tid == 0 && ld_relaxed_gpu_u32(&st->status) == 0 && !p.sm_staging) {
+        const u64 t0 = globaltimer();
+        for (;;) {
+            if (ld_acquire_sys_u64(&ctrl->sent) >= seq) break;
+            if (ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                arx_fail(ctrl, st, ARX_STATUS_ABORTED, me, 0xFFFFFFFFu, seq, 0);
+                break;
+            }
+            if (globaltimer() - t0 > st->timeout_ns) {
+                arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, seq, 0);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    const u32 status = ld_relaxed_gpu_u32(&st->status);
+    if (status != 0) {
+        /* A failed call must not leave a plausible result behind (a graph
+         * replay has no host to check): NaN everywhere. */
+        for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        st->stage_next = 0;
+        st->staged = 0;
+        st->sum_next = 0;
+        st->depart = 0;
+        st->seq = seq;
+        __threadfence();
+        /* Informational (watchdog, logs): no ordering needed. */
+        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_bf16(arx_params_t p) {
+    arx_run<T_bf16>(p);
+}
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_f16(arx_params_t p) {
+    arx_run<T_f16>(p);
+}
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_f32(arx_params_t p) {
+    arx_run<T_f32>(p);
+}
+
+/* Test hook: converts n f32 bit patterns to bf16 and f16 with the kernels'
+ * own conversions, and back, so the tests can compare them with `half`. */
+extern "C" __global__ void arx_convert_check(const u32 *in, u16 *bf, u16 *hf, u32 *bf_back,
+                                             u32 *hf_back, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (; i < n; i += stride) {
+        float f = bits_f32(in[i]);
+        bf[i] = f32_to_bf16(f);
+        hf[i] = f32_to_f16(f);
+        bf_back[i] = f32_bits(bf16_to_f32((u16)in[i]));
+        hf_back[i] = f32_bits(f16_to_f32((u16)in[i]));
+    }
+}

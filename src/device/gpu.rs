@@ -1,0 +1,699 @@
+//! The GPU device side: `kernels/arx.cu`, compiled by NVRTC for the device's
+//! own architecture, runs the protocol of `kernels/arx.h` on device buffers.
+//!
+//! All CUDA calls of arx live here. cudarc loads libcuda and libnvrtc at run
+//! time; both are checked before cudarc is touched (its context constructor
+//! panics when libcuda is missing), so a machine without them gets
+//! [`Error::Unavailable`].
+//!
+//! What the GPU needs to reach:
+//! * the region (control block, flags, send and receive slots) in mapped
+//!   pinned host memory: `cuMemHostAlloc(DEVICEMAP|PORTABLE)` for the Verbs
+//!   fabric, or this rank's part of the node's shared segment registered
+//!   with `cuMemHostRegister(DEVICEMAP|PORTABLE)` for the Shm fabric;
+//! * `arx_gpu_state_t` in device memory: the call counter and the tickets of
+//!   one launch, so a captured CUDA graph replays with no host work.
+//!
+//! Staging of the send slot:
+//! * [`Staging::Sm`]: the kernel copies the input with SM stores, fences at
+//!   system scope and publishes;
+//! * [`Staging::CopyEngine`]: two `cuMemcpyDtoDAsync` on the caller's stream
+//!   copy the input into *both* send slots before the kernel, which then only
+//!   publishes. Both, because the call's parity lives in device memory (the
+//!   host cannot know it under graph replay). That is safe because every
+//!   copy-engine kernel ends only after the proxy has reported its sends
+//!   complete (`ctrl.sent`), so when the next call's copies run, neither slot
+//!   is still being read. The price is twice the staging bytes.
+
+use std::ffi::{c_void, CString};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use crate::abi;
+use crate::config::Staging;
+use crate::dtype::{describe_call, Dtype};
+use crate::error::{Error, Result};
+use crate::layout::{flag_call, Backing, Layout, Region};
+use crate::proxy::{peer_flags, Shared};
+
+/// The kernel source and the ABI header it includes.
+const SOURCE: &str = include_str!("../../kernels/arx.cu");
+const HEADER: &str = include_str!("../../kernels/arx.h");
+/// Threads per block (must equal `ARX_THREADS` in arx.cu).
+const THREADS: u32 = 256;
+/// Upper bound on blocks of one launch.
+const MAX_BLOCKS: u32 = 16;
+/// Vectors per thread per work chunk.
+const DEFAULT_UNROLL: u32 = 2;
+
+fn cuda_err(call: &'static str) -> impl Fn(result::DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        detail: e.to_string(),
+    }
+}
+
+/// Checks that libcuda and libnvrtc can be loaded, without touching cudarc's
+/// lazily loaded (and panicking) entry points.
+pub(crate) fn probe_libraries() -> Result<()> {
+    // SAFETY: only tries to dlopen the candidate library names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::Unavailable {
+            what: "the GPU device side",
+            reason: "libcuda (the NVIDIA driver library) cannot be loaded".into(),
+        });
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Unavailable {
+            what: "the GPU device side",
+            reason: "libnvrtc (the CUDA runtime compiler) cannot be loaded; install the CUDA toolkit's nvrtc or put libnvrtc.so on LD_LIBRARY_PATH".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Number of CUDA devices, or why there are none.
+pub(crate) fn device_count() -> Result<usize> {
+    probe_libraries()?;
+    // cuInit is idempotent; the count call needs it.
+    result::init().map_err(cuda_err("cuInit"))?;
+    let n = result::device::get_count().map_err(cuda_err("cuDeviceGetCount"))?;
+    if n <= 0 {
+        return Err(Error::Unavailable {
+            what: "the GPU device side",
+            reason: "no CUDA device is visible".into(),
+        });
+    }
+    Ok(n as usize)
+}
+
+/// Compiled CUBINs, one per architecture, for the whole process (NVRTC takes
+/// a few hundred milliseconds per compile).
+static CUBINS: Mutex<Vec<(String, Arc<Vec<u8>>)>> = Mutex::new(Vec::new());
+
+fn nvrtc_err(call: &'static str, e: cudarc::nvrtc::result::NvrtcError) -> Error {
+    Error::Cuda {
+        call,
+        detail: format!("{e:?}"),
+    }
+}
+
+/// Compiles arx.cu for `arch` (e.g. `sm_90`), once per process.
+fn cubin(arch: &str) -> Result<Arc<Vec<u8>>> {
+    let mut cache = CUBINS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, c)) = cache.iter().find(|(a, _)| a == arch) {
+        return Ok(Arc::clone(c));
+    }
+    use cudarc::nvrtc::sys as nv;
+    let src = CString::new(SOURCE).map_err(|_| Error::InvalidArgument("NUL in arx.cu".into()))?;
+    let hdr = CString::new(HEADER).map_err(|_| Error::InvalidArgument("NUL in arx.h".into()))?;
+    let name = c"arx.cu";
+    let hname = c"arx.h";
+    let headers = [hdr.as_ptr()];
+    let include_names = [hname.as_ptr()];
+    let opts: Vec<CString> = [
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".into(),
+        // The summation rule needs IEEE adds: no flush to zero.
+        "--ftz=false".into(),
+        "--fmad=false".into(),
+    ]
+    .into_iter()
+    .filter_map(|o| CString::new(o).ok())
+    .collect();
+    let opt_ptrs: Vec<*const std::ffi::c_char> = opts.iter().map(|o| o.as_ptr()).collect();
+    let mut prog: nv::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer is a live NUL-terminated string for the duration
+    // of the calls; `prog` is destroyed below on every path.
+    unsafe {
+        nv::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            name.as_ptr(),
+            1,
+            headers.as_ptr(),
+            include_names.as_ptr(),
+        )
+        .result()
+        .map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?;
+    }
+    // SAFETY: `prog` is a valid program; the option array outlives the call.
+    let compiled = unsafe {
+        let rc = nv::nvrtcCompileProgram(prog, opt_ptrs.len() as i32, opt_ptrs.as_ptr());
+        let log = {
+            let mut n = 0usize;
+            let _ = nv::nvrtcGetProgramLogSize(prog, &mut n);
+            let mut buf = vec![0u8; n.max(1)];
+            let _ = nv::nvrtcGetProgramLog(prog, buf.as_mut_ptr().cast());
+            String::from_utf8_lossy(&buf)
+                .trim_end_matches('\0')
+                .trim()
+                .to_string()
+        };
+        match rc.result() {
+            Err(e) => Err(Error::Cuda {
+                call: "nvrtcCompileProgram",
+                detail: format!("{e:?} for {arch}: {log}"),
+            }),
+            Ok(()) => {
+                if !log.is_empty() {
+                    log::debug!("arx: NVRTC log for {arch}: {log}");
+                }
+                let mut n = 0usize;
+                nv::nvrtcGetCUBINSize(prog, &mut n)
+                    .result()
+                    .map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))
+                    .and_then(|()| {
+                        let mut bin = vec![0u8; n];
+                        nv::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
+                            .result()
+                            .map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))
+                            .map(|()| bin)
+                    })
+            }
+        }
+    };
+    // SAFETY: destroys the program created above, exactly once.
+    unsafe {
+        let _ = nv::nvrtcDestroyProgram(&mut prog);
+    }
+    let bin = Arc::new(compiled?);
+    log::info!(
+        "arx: compiled kernels/arx.cu for {arch} ({} bytes)",
+        bin.len()
+    );
+    cache.push((arch.to_string(), Arc::clone(&bin)));
+    Ok(bin)
+}
+
+/// A loaded module and its kernels (bf16, f16, f32, conversion check).
+struct Module {
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+    funcs: [sys::CUfunction; 4],
+}
+
+// SAFETY: module and function handles are plain driver handles, usable from
+// any thread once the context is bound.
+unsafe impl Send for Module {}
+// SAFETY: as above; launches do not mutate the handles.
+unsafe impl Sync for Module {}
+
+impl Module {
+    fn load(ctx: &Arc<CudaContext>, image: &[u8]) -> Result<Self> {
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: `image` is a complete CUBIN produced by NVRTC for this
+        // device's architecture; the driver copies it.
+        let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+            .map_err(cuda_err("cuModuleLoadData"))?;
+        let mut funcs = [std::ptr::null_mut(); 4];
+        for (f, name) in funcs.iter_mut().zip([
+            "arx_allreduce_bf16",
+            "arx_allreduce_f16",
+            "arx_allreduce_f32",
+            "arx_convert_check",
+        ]) {
+            let c = CString::new(name).unwrap_or_default();
+            // SAFETY: `module` was loaded above and stays loaded while
+            // `Module` lives.
+            match unsafe { result::module::get_function(module, c) } {
+                Ok(h) => *f = h,
+                Err(e) => {
+                    // SAFETY: unloading the module we just loaded.
+                    unsafe {
+                        let _ = result::module::unload(module);
+                    }
+                    return Err(cuda_err("cuModuleGetFunction")(e));
+                }
+            }
+        }
+        Ok(Module {
+            ctx: Arc::clone(ctx),
+            module,
+            funcs,
+        })
+    }
+
+    fn kernel(&self, dtype: u32) -> sys::CUfunction {
+        match dtype {
+            abi::ARX_DTYPE_BF16 => self.funcs[0],
+            abi::ARX_DTYPE_F16 => self.funcs[1],
+            _ => self.funcs[2],
+        }
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: loaded in `load`, unloaded once here.
+            unsafe {
+                let _ = result::module::unload(self.module);
+            }
+        }
+    }
+}
+
+/// A host range mapped into the GPU with `cuMemHostRegister`; unregistered
+/// on drop, before the memory (kept alive by `_region`) goes.
+struct Registration {
+    ctx: Arc<CudaContext>,
+    ptr: *mut c_void,
+    _region: Arc<Region>,
+}
+
+// SAFETY: the pointer is only handed back to the driver in Drop.
+unsafe impl Send for Registration {}
+// SAFETY: as above.
+unsafe impl Sync for Registration {}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` was registered by us and the memory is still
+            // mapped (`_region` drops after this).
+            let r = unsafe { sys::cuMemHostUnregister(self.ptr) }.result();
+            if let Err(e) = r {
+                log::warn!("arx: cuMemHostUnregister failed: {e}");
+            }
+        }
+    }
+}
+
+/// Creates the CUDA context (the device's primary one) for `ordinal`.
+pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let n = device_count()?;
+    if ordinal >= n {
+        return Err(Error::Unavailable {
+            what: "the requested CUDA device",
+            reason: format!("device {ordinal} asked for (ARX_CUDA_DEVICE), {n} visible"),
+        });
+    }
+    CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))
+}
+
+/// Allocates the region in mapped pinned host memory (Verbs fabric: the NIC
+/// and the GPU both reach it).
+pub(crate) fn alloc_region(ctx: &Arc<CudaContext>, len: usize) -> Result<Region> {
+    ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+    let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+    // SAFETY: a fresh allocation; freed exactly once by the backing closure.
+    let p = unsafe { result::malloc_host(len, flags) }.map_err(|e| Error::Cuda {
+        call: "cuMemHostAlloc",
+        detail: format!("{len} bytes: {e}"),
+    })?;
+    // SAFETY: `p` is valid for `len` bytes; zero it before anyone reads it.
+    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
+    let addr = p as usize;
+    let c = Arc::clone(ctx);
+    let free: Box<dyn FnOnce() + Send + Sync> = Box::new(move || {
+        let _ = c.bind_to_thread();
+        // SAFETY: allocated by cuMemHostAlloc above; nobody uses it any more
+        // (the region, its last owner, is being dropped).
+        if let Err(e) = unsafe { result::free_host(addr as *mut c_void) } {
+            log::warn!("arx: cuMemFreeHost failed: {e}");
+        }
+    });
+    // SAFETY: page-aligned (cuMemHostAlloc), `len` bytes, freed only by the
+    // backing closure when the region drops.
+    unsafe { Region::from_raw(p.cast(), len, Backing::Custom(Some(free))) }
+}
+
+/// Everything the GPU side of one instance holds.
+pub(crate) struct GpuSide {
+    ctx: Arc<CudaContext>,
+    module: Module,
+    /// Device address of `arx_gpu_state_t`.
+    state: sys::CUdeviceptr,
+    /// Device address of the region.
+    region_dev: u64,
+    region: Arc<Region>,
+    _registration: Option<Registration>,
+    layout: Layout,
+    staging: Staging,
+    max_blocks: u32,
+    unroll: Option<u32>,
+    ordinal: usize,
+    arch: String,
+}
+
+// SAFETY: the raw handles and device addresses are only used through the
+// driver with the context bound; the instance is used by one thread at a
+// time (`&mut self` on every call).
+unsafe impl Send for GpuSide {}
+
+impl GpuSide {
+    /// Sets up the GPU side over `region` (already allocated): maps it into
+    /// the GPU if `register`, compiles and loads the kernels, allocates and
+    /// initialises the device state. Runs before the proxy starts.
+    pub(crate) fn new(
+        ctx: Arc<CudaContext>,
+        region: Arc<Region>,
+        register: bool,
+        layout: Layout,
+        cfg: &crate::Config,
+        ranks_on_node: usize,
+    ) -> Result<Self> {
+        let staging = cfg.staging;
+        let timeout = cfg.timeout;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        let can_map = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        if can_map == 0 {
+            return Err(Error::Unavailable {
+                what: "the GPU device side",
+                reason: "the device cannot map host memory".into(),
+            });
+        }
+        let registration = if register {
+            let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+            // SAFETY: the region's memory is mapped, page-aligned and lives
+            // as long as the registration (which holds an Arc to it).
+            unsafe {
+                sys::cuMemHostRegister_v2(region.as_ptr().cast(), region.len(), flags)
+                    .result()
+                    .map_err(|e| Error::Cuda {
+                        call: "cuMemHostRegister",
+                        detail: format!("{} bytes of the shm segment: {e}", region.len()),
+                    })?;
+            }
+            Some(Registration {
+                ctx: Arc::clone(&ctx),
+                ptr: region.as_ptr().cast(),
+                _region: Arc::clone(&region),
+            })
+        } else {
+            None
+        };
+        let mut region_dev: sys::CUdeviceptr = 0;
+        // SAFETY: the region is mapped memory (cuMemHostAlloc DEVICEMAP or
+        // registered DEVICEMAP just above).
+        unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut region_dev, region.as_ptr().cast(), 0)
+                .result()
+                .map_err(cuda_err("cuMemHostGetDevicePointer"))?;
+        }
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("cuDeviceGetAttribute"))?;
+        let arch = format!("sm_{major}{minor}");
+        let module = Module::load(&ctx, &cubin(&arch)?)?;
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;
+        // Ranks sharing the GPU (MPS) share its SMs: keep every rank's grid
+        // small enough that all of them fit at once. (Correctness does not
+        // depend on it — the kernel's tickets never make a block wait for
+        // another — but spinning blocks that cannot all be resident would
+        // slow every rank.)
+        let max_blocks = cfg
+            .gpu_blocks
+            .unwrap_or_else(|| (sms / (2 * ranks_on_node.max(1) as u32)).clamp(1, MAX_BLOCKS));
+        // SAFETY: a fresh 64-byte device allocation, freed in Drop.
+        let state = unsafe { result::malloc_sync(std::mem::size_of::<abi::arx_gpu_state_t>()) }
+            .map_err(cuda_err("cuMemAlloc"))?;
+        let init = abi::arx_gpu_state_t {
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            ..Default::default()
+        };
+        // SAFETY: `state` holds exactly one arx_gpu_state_t.
+        let r = unsafe { result::memcpy_htod_sync(state, std::slice::from_ref(&init)) };
+        if let Err(e) = r {
+            // SAFETY: freeing what we just allocated.
+            unsafe {
+                let _ = result::free_sync(state);
+            }
+            return Err(cuda_err("cuMemcpyHtoD")(e));
+        }
+        log::info!(
+            "arx: GPU side on device {} ({arch}, {sms} SMs, up to {max_blocks} blocks of {THREADS}), staging {staging:?}",
+            ctx.ordinal()
+        );
+        Ok(GpuSide {
+            ordinal: ctx.ordinal(),
+            ctx,
+            module,
+            state,
+            region_dev,
+            region,
+            _registration: registration,
+            layout,
+            staging,
+            max_blocks,
+            unroll: cfg.gpu_unroll,
+            arch,
+        })
+    }
+
+    /// The context the instance runs in.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// One line for logs and headers.
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "gpu {} ({}), staging {:?}, up to {} blocks",
+            self.ordinal, self.arch, self.staging, self.max_blocks
+        )
+    }
+
+    /// Launch shape for `count` elements of `dtype`, `aligned` or not:
+    /// (blocks, units per thread per chunk).
+    fn shape(&self, count: usize, dtype: Dtype, aligned: bool) -> (u32, u32) {
+        let per_unit = if aligned { 16 / dtype.size() } else { 1 };
+        let units = count.div_ceil(per_unit);
+        let unroll = self.unroll.unwrap_or(DEFAULT_UNROLL);
+        let chunks = units.div_ceil((THREADS * unroll) as usize).max(1);
+        ((chunks.min(self.max_blocks as usize)) as u32, unroll)
+    }
+
+    /// Enqueues one call on `stream`: copy-engine staging (if chosen) and
+    /// the kernel. Nothing else happens on the host, so this can be
+    /// captured into a CUDA graph.
+    ///
+    /// # Safety
+    /// `input` and `output` must be device addresses valid for `count`
+    /// elements of `dtype` in this instance's context until the call
+    /// completes on the stream; `stream` must belong to that context.
+    /// `dtype` INVALID launches a refusal (count 0, no memory touched).
+    pub(crate) unsafe fn launch(
+        &self,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: u32,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let d = Dtype::from_code(dtype);
+        let bytes = d.map_or(0, |d| d.size() * count);
+        let ce = self.staging == Staging::CopyEngine;
+        if ce && bytes > 0 {
+            for parity in 0..2 {
+                let dst = self.region_dev + self.layout.send_offset(parity) as u64;
+                result::memcpy_dtod_async(dst, input, bytes, stream)
+                    .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+            }
+        }
+        let mut params = abi::arx_params_t {
+            region: self.region_dev,
+            state: self.state,
+            input,
+            output,
+            layout: self.layout.raw(),
+            count: count as u32,
+            dtype,
+            sm_staging: u32::from(!ce),
+            unroll: 1,
+        };
+        let aligned = (input | output) & 15 == 0;
+        let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));
+        params.unroll = unroll;
+        let mut args = [(&mut params as *mut abi::arx_params_t).cast::<c_void>()];
+        result::launch_kernel(
+            self.module.kernel(dtype),
+            (blocks, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            stream,
+            &mut args,
+        )
+        .map_err(cuda_err("cuLaunchKernel"))
+    }
+
+    /// Waits for everything queued in the context (bounded: every arx
+    /// kernel ends by its deadline).
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.ctx.synchronize().map_err(cuda_err("cuCtxSynchronize"))
+    }
+
+    /// The device's call counter (after [`GpuSide::synchronize`]).
+    pub(crate) fn device_seq(&self) -> Result<u64> {
+        let mut st = [abi::arx_gpu_state_t::default()];
+        // SAFETY: `state` holds one arx_gpu_state_t.
+        unsafe { result::memcpy_dtoh_sync(&mut st, self.state) }
+            .map_err(cuda_err("cuMemcpyDtoH"))?;
+        Ok(st[0].seq)
+    }
+
+    /// Sets the device's call counter (after a host-side call).
+    pub(crate) fn set_device_seq(&self, seq: u64) -> Result<()> {
+        // SAFETY: `seq` is the first field of arx_gpu_state_t.
+        unsafe { result::memcpy_htod_sync(self.state, &[seq]) }.map_err(cuda_err("cuMemcpyHtoD"))
+    }
+
+    /// Runs the conversion check kernel on `bits` (test hook): returns
+    /// (to bf16, to f16, bf16 bits back to f32, f16 bits back to f32).
+    pub(crate) fn convert_check(&self, bits: &[u32]) -> Result<ConvertOut> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let n = bits.len();
+        let mut out = ConvertOut {
+            bf16: vec![0; n],
+            f16: vec![0; n],
+            bf16_back: vec![0; n],
+            f16_back: vec![0; n],
+        };
+        if n == 0 {
+            return Ok(out);
+        }
+        // SAFETY: plain allocations and synchronous copies of exactly the
+        // sizes allocated; freed on every path below.
+        unsafe {
+            let a = result::malloc_sync(n * 4).map_err(cuda_err("cuMemAlloc"))?;
+            let b = result::malloc_sync(n * 2).map_err(cuda_err("cuMemAlloc"))?;
+            let c = result::malloc_sync(n * 2).map_err(cuda_err("cuMemAlloc"))?;
+            let d = result::malloc_sync(n * 4).map_err(cuda_err("cuMemAlloc"))?;
+            let e = result::malloc_sync(n * 4).map_err(cuda_err("cuMemAlloc"))?;
+            let r = (|| {
+                result::memcpy_htod_sync(a, bits)?;
+                let mut na = n as u64;
+                let (mut pa, mut pb, mut pc, mut pd, mut pe) = (a, b, c, d, e);
+                let mut args = [
+                    (&mut pa as *mut u64).cast::<c_void>(),
+                    (&mut pb as *mut u64).cast(),
+                    (&mut pc as *mut u64).cast(),
+                    (&mut pd as *mut u64).cast(),
+                    (&mut pe as *mut u64).cast(),
+                    (&mut na as *mut u64).cast(),
+                ];
+                result::launch_kernel(
+                    self.module.funcs[3],
+                    (1024, 1, 1),
+                    (256, 1, 1),
+                    0,
+                    std::ptr::null_mut(),
+                    &mut args,
+                )?;
+                result::memcpy_dtoh_sync(&mut out.bf16, b)?;
+                result::memcpy_dtoh_sync(&mut out.f16, c)?;
+                result::memcpy_dtoh_sync(&mut out.bf16_back, d)?;
+                result::memcpy_dtoh_sync(&mut out.f16_back, e)
+            })();
+            for p in [a, b, c, d, e] {
+                let _ = result::free_sync(p);
+            }
+            r.map_err(cuda_err("conversion check"))?;
+        }
+        Ok(out)
+    }
+
+    /// The error the kernel recorded in the control block, if any.
+    pub(crate) fn kernel_error(&self, shared: &Shared) -> Option<Error> {
+        kernel_error(&self.region, &self.layout, shared)
+    }
+}
+
+/// Output of [`GpuSide::convert_check`].
+#[derive(Debug, Clone)]
+pub struct ConvertOut {
+    /// f32 → bf16 bits.
+    pub bf16: Vec<u16>,
+    /// f32 → f16 bits.
+    pub f16: Vec<u16>,
+    /// Low 16 bits as bf16 → f32 bits.
+    pub bf16_back: Vec<u32>,
+    /// Low 16 bits as f16 → f32 bits.
+    pub f16_back: Vec<u32>,
+}
+
+impl Drop for GpuSide {
+    fn drop(&mut self) {
+        // A kernel may still be running (the caller need not synchronize):
+        // it ends by its deadline, so this wait is bounded.
+        if let Err(e) = self.synchronize() {
+            log::warn!("arx: synchronize before teardown failed: {e}");
+        }
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated in `new`, freed once; no kernel uses it now.
+            unsafe {
+                let _ = result::free_sync(self.state);
+            }
+        }
+    }
+}
+
+/// Translates what the kernel recorded in the control block into an error.
+pub(crate) fn kernel_error(region: &Region, layout: &Layout, shared: &Shared) -> Option<Error> {
+    let ctrl = region.ctrl();
+    let status = ctrl.status().load(Ordering::Acquire);
+    if status == abi::ARX_STATUS_OK {
+        return None;
+    }
+    let me = layout.rank();
+    let seq = ctrl.err_seq().load(Ordering::Relaxed);
+    let peer = ctrl.err_peer().load(Ordering::Relaxed);
+    let lane = ctrl.err_lane().load(Ordering::Relaxed);
+    let flag = ctrl.err_flag().load(Ordering::Relaxed);
+    Some(match status {
+        abi::ARX_STATUS_MISMATCH => {
+            let ours = ctrl.meta((seq & 1) as usize).load(Ordering::Relaxed);
+            let (od, on) = flag_call(ours);
+            let (td, tn) = flag_call(flag);
+            Error::CallMismatch {
+                seq,
+                rank: me,
+                ours: describe_call(od, on),
+                peer: peer as usize,
+                theirs: describe_call(td, tn),
+            }
+        }
+        abi::ARX_STATUS_ABORTED => shared.error().unwrap_or_else(|| Error::Kernel {
+            seq,
+            detail: format!("rank {me}: aborted (abort word set) while waiting for peers"),
+        }),
+        abi::ARX_STATUS_TIMEOUT => {
+            let what = if lane == u32::MAX && peer as usize == me {
+                "this rank's own proxy did not finish sending (or its staging did not finish)"
+                    .to_string()
+            } else if lane == u32::MAX {
+                "no flag was missing when the deadline passed".to_string()
+            } else {
+                format!(
+                    "peer {peer} lane {lane} had not arrived (its flag there: call {})",
+                    crate::layout::flag_seq(flag)
+                )
+            };
+            Error::Timeout {
+                during: "allreduce kernel (waiting for peers' flags)",
+                waited: std::time::Duration::from_nanos(ctrl.timeout_ns().load(Ordering::Relaxed)),
+                detail: format!(
+                    "rank {me}, call {seq}: {what}; all flags: {}",
+                    peer_flags(region, layout, seq)
+                ),
+            }
+        }
+        other => Error::Kernel {
+            seq,
+            detail: format!("rank {me}: unknown kernel status {other}"),
+        },
+    })
+}
