@@ -18,7 +18,7 @@ use half::{bf16, f16};
 use mpi::traits::*;
 use rand::{Rng, SeedableRng};
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(about = "Checks what arx needs on this node and runs a validated all-reduce")]
 struct Args {
     /// Elements per all-reduce (capped at what one slot holds).
@@ -36,6 +36,55 @@ struct Args {
     /// Only report; skip the all-reduce.
     #[arg(long)]
     no_allreduce: bool,
+    /// Fault drill (for CI): after one good call, this rank tears its
+    /// instance down; every other rank must then fail fast, naming a peer.
+    #[arg(long, hide = true)]
+    fault_drill: Option<usize>,
+}
+
+/// The fault drill: one good call, then rank `leaver` drops its instance
+/// (destroying its QPs) and the others call again. Passes when every other
+/// rank gets an error well within the timeout.
+fn fault_drill(
+    world: &mpi::topology::SimpleCommunicator,
+    args: &Args,
+    leaver: usize,
+) -> Result<String, String> {
+    let mut arx = Arx::new(world).map_err(|e| format!("set-up failed: {e}"))?;
+    let me = arx.rank();
+    let n = 4096usize.min(arx.max_count::<f32>());
+    let wrong = check::<f32>(
+        &mut arx,
+        &Args {
+            iters: 1,
+            ..args.clone()
+        },
+        n,
+        f32::NAN,
+    )
+    .map_err(|e| format!("the good call failed: {e}"))?;
+    if wrong != 0 {
+        return Err(format!("the good call had {wrong} wrong elements"));
+    }
+    if me == leaver {
+        drop(arx);
+        return Ok("left after one good call".into());
+    }
+    let timeout = arx.config().timeout;
+    let start = std::time::Instant::now();
+    let input = vec![1.0f32; n];
+    let mut out = vec![f32::NAN; n];
+    match arx.allreduce_host(&input, &mut out) {
+        Ok(()) => Err(format!("the call after rank {leaver} left succeeded")),
+        Err(e) if start.elapsed() < timeout / 2 => Ok(format!(
+            "failed fast as it should, after {:?} (timeout {timeout:?}): {e}",
+            start.elapsed()
+        )),
+        Err(e) => Err(format!(
+            "failed only after {:?} (timeout {timeout:?}): {e}",
+            start.elapsed()
+        )),
+    }
 }
 
 /// The report of one rank: lines, and problems with what to do about them.
@@ -302,6 +351,18 @@ fn main() -> ExitCode {
     let world = universe.world();
     let rank = world.rank() as usize;
     let n = world.size() as usize;
+    if let Some(leaver) = args.fault_drill {
+        return match fault_drill(&world, &args, leaver) {
+            Ok(m) => {
+                println!("[rank {rank}] fault drill: {m}");
+                ExitCode::SUCCESS
+            }
+            Err(m) => {
+                println!("[rank {rank}] fault drill: PROBLEM: {m}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let mut r = Report::default();
     let host = mpi::environment::processor_name().unwrap_or_default();
     r.line(format!("arx doctor, rank {rank} of {n} on {host}"));

@@ -62,10 +62,19 @@ const INLINE_BYTES: u32 = 64;
 const POLL_BATCH: usize = 32;
 /// After this long without a post, an unsignalled tail is flushed.
 const FLUSH_AFTER: Duration = Duration::from_millis(2);
+/// A QP with WRs outstanding and no completion for this long gets one more
+/// (signalled, idempotent) flag write. Never needed on a healthy NIC, where
+/// completions come within microseconds; soft-RoCE in Linux 6.1 was seen to
+/// leave posted WRs unprocessed until the next post rang the doorbell again.
+const KICK_AFTER: Duration = Duration::from_millis(200);
+/// `progress` calls between two checks for stalled QPs.
+const KICK_CHECK_EVERY: u32 = 256;
 /// Local ACK timeout exponent: 4.096 µs × 2^14 ≈ 67 ms (perftest's default).
 const ACK_TIMEOUT: u8 = 14;
-/// Retransmissions before a WR fails with RETRY_EXC_ERR.
-const RETRY_CNT: u8 = 7;
+/// Retransmissions before a WR fails with RETRY_EXC_ERR. Not 7: soft-RoCE
+/// (rxe) treats retry_cnt 7 like rnr_retry 7, as "retry forever", so a dead
+/// peer would never produce a completion error there.
+const RETRY_CNT: u8 = 6;
 /// RNR retries (7 = infinite; unused: RDMA WRITE consumes no receive WR).
 const RNR_RETRY: u8 = 7;
 /// Hop limit of the GRH (RoCE v2 is routable; 1 would stop at a router).
@@ -407,6 +416,8 @@ struct Qp {
     last_flag: Option<(u64, u64)>,
     /// A completion on this QP failed: it is in the error state.
     broken: bool,
+    /// Last time a completion (or a kick) was seen for this QP.
+    last_progress: Instant,
     _pd: Arc<Pd>,
     _cq: Arc<Cq>,
 }
@@ -561,6 +572,7 @@ fn create_qp(dev: &Device, peer: usize, lane: usize, dev_index: usize) -> Result
         depth: u64::from(init.cap.max_send_wr.min(SQ_DEPTH)),
         last_flag: None,
         broken: false,
+        last_progress: Instant::now(),
         _pd: Arc::clone(&dev.pd),
         _cq: Arc::clone(&dev.cq),
     };
@@ -867,6 +879,8 @@ pub(crate) struct VerbsFabric {
     tail: bool,
     /// The first failed completion; later calls return it again.
     failed: Option<Error>,
+    /// `progress` calls since the last stall check.
+    polls: u32,
 }
 
 // SAFETY: libibverbs objects may be used from any thread (all verbs are
@@ -1069,6 +1083,7 @@ pub(crate) fn connect(
         last_post: Instant::now(),
         tail: false,
         failed: None,
+        polls: 0,
     };
     log::info!("arx verbs: rank {me}: {}", fabric.describe());
     Ok(fabric)
@@ -1130,6 +1145,10 @@ impl VerbsFabric {
         // SAFETY: as above.
         let mut wrs: [ibv_send_wr; MAX] = unsafe { std::mem::zeroed() };
         let qp = &mut self.qps[i];
+        if qp.completed == qp.posted {
+            // The stall clock starts when the QP stops being idle.
+            qp.last_progress = Instant::now();
+        }
         let n = writes.len();
         for (k, w) in writes.iter().enumerate() {
             let count = qp.posted + k as u64 + 1;
@@ -1232,14 +1251,35 @@ impl VerbsFabric {
     }
 
     /// Re-writes each QP's last flag, signalled, so that an unsignalled tail
-    /// completes observably. Idempotent at the peer: the same word again.
-    fn flush_tails(&mut self) -> Result<()> {
-        self.tail = false;
+    /// completes observably (or, with `stalled`, so that a QP whose WRs have
+    /// not completed for [`KICK_AFTER`] is kicked). Idempotent at the peer:
+    /// the same word again, ordered after the original on the same QP.
+    fn flush_tails(&mut self, stalled: bool) -> Result<()> {
+        let now = Instant::now();
+        if !stalled {
+            self.tail = false;
+        }
         for i in 0..self.qps.len() {
-            let qp = &self.qps[i];
-            if qp.broken || qp.signaled == qp.posted || qp.posted - qp.completed >= qp.depth {
+            let qp = &mut self.qps[i];
+            if qp.broken || qp.posted - qp.completed >= qp.depth {
                 continue;
             }
+            if stalled {
+                if qp.completed == qp.posted || now - qp.last_progress < KICK_AFTER {
+                    continue;
+                }
+                log::debug!(
+                    "arx verbs: peer {} lane {}: {} WRs outstanding for {:?}; kicking",
+                    qp.peer,
+                    qp.lane,
+                    qp.posted - qp.completed,
+                    now - qp.last_progress
+                );
+                qp.last_progress = now;
+            } else if qp.signaled == qp.posted {
+                continue;
+            }
+            let qp = &self.qps[i];
             let Some((remote, word)) = qp.last_flag else {
                 continue;
             };
@@ -1319,6 +1359,7 @@ impl Fabric for VerbsFabric {
         // SAFETY: ibv_wc is plain old data.
         let mut wcs: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
         let mut first_err: Option<Error> = None;
+        let mut now_cached: Option<Instant> = None;
         for d in 0..self.devices.len() {
             loop {
                 // SAFETY: a live CQ; `wcs` has room for POLL_BATCH entries.
@@ -1349,6 +1390,7 @@ impl Fabric for VerbsFabric {
                     if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
                         // Counts below 2^48 per QP: the low bits are the count.
                         qp.completed = qp.completed.max(wc.wr_id & WR_COUNT_MASK);
+                        qp.last_progress = *now_cached.get_or_insert_with(Instant::now);
                         continue;
                     }
                     qp.broken = true;
@@ -1384,7 +1426,12 @@ impl Fabric for VerbsFabric {
             return Err(e);
         }
         if self.tail && self.last_post.elapsed() > FLUSH_AFTER {
-            self.flush_tails()?;
+            self.flush_tails(false)?;
+        }
+        self.polls += 1;
+        if self.polls >= KICK_CHECK_EVERY {
+            self.polls = 0;
+            self.flush_tails(true)?;
         }
         Ok(())
     }
