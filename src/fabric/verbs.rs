@@ -529,6 +529,27 @@ fn query_gid(ctx: &Context, port: u8, index: u32) -> Result<[u8; 16]> {
     Ok(raw)
 }
 
+// Thread safety of the wrappers below: libibverbs objects may be used from
+// any thread (every verb is thread-safe); the wrappers hold only the handle
+// and immutable data, and after `connect` the fabric is used by the proxy
+// thread alone.
+// SAFETY: as above.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+// SAFETY: as above.
+unsafe impl Send for Pd {}
+// SAFETY: as above.
+unsafe impl Sync for Pd {}
+// SAFETY: as above.
+unsafe impl Send for Cq {}
+// SAFETY: as above.
+unsafe impl Sync for Cq {}
+// SAFETY: as above.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Send for Qp {}
+
 // ------------------------------------------------------------ QP states
 
 fn create_qp(dev: &Device, peer: usize, lane: usize, dev_index: usize) -> Result<Qp> {
@@ -883,11 +904,6 @@ pub(crate) struct VerbsFabric {
     polls: u32,
 }
 
-// SAFETY: libibverbs objects may be used from any thread (all verbs are
-// thread-safe); after `connect` the fabric is owned and used by the proxy
-// thread alone.
-unsafe impl Send for VerbsFabric {}
-
 fn check_memlock(needed: usize) -> Result<()> {
     // CAP_IPC_LOCK (bit 14) lifts the limit for ibv_reg_mr.
     let capable = std::fs::read_to_string("/proc/self/status")
@@ -920,11 +936,16 @@ fn check_memlock(needed: usize) -> Result<()> {
 
 /// Opens the lanes' devices, registers the region and creates the QPs (in
 /// INIT); everything local, before the exchange.
-fn open_local(
-    layout: &Layout,
-    region: &Region,
-    lanes: &[LaneDevice],
-) -> Result<(Vec<Device>, [usize; LANES], Vec<Qp>, Vec<usize>)> {
+/// What `open_local` made: devices, the device of each lane, QPs (in INIT)
+/// and the index of (peer, lane) into them.
+struct Local {
+    devices: Vec<Device>,
+    lane_dev: [usize; LANES],
+    qps: Vec<Qp>,
+    qp_index: Vec<usize>,
+}
+
+fn open_local(layout: &Layout, region: &Region, lanes: &[LaneDevice]) -> Result<Local> {
     if lanes.len() != LANES {
         return Err(Error::Topology(format!(
             "selection has {} lanes, the Verbs fabric needs {LANES}",
@@ -976,7 +997,12 @@ fn open_local(
             qps.push(qp);
         }
     }
-    Ok((devices, lane_dev, qps, qp_index))
+    Ok(Local {
+        devices,
+        lane_dev,
+        qps,
+        qp_index,
+    })
 }
 
 /// Creates the QPs, exchanges their numbers over `boot` and connects them.
@@ -991,7 +1017,15 @@ pub(crate) fn connect(
     let me = layout.rank();
     let local = topology::select(cfg)
         .and_then(|sel| open_local(layout, region, &sel.lanes).map(|l| (sel, l)));
-    let (_sel, (devices, lane_dev, qps, qp_index)) = boot.agree("verbs devices", local)?;
+    let (
+        _sel,
+        Local {
+            devices,
+            lane_dev,
+            qps,
+            qp_index,
+        },
+    ) = boot.agree("verbs devices", local)?;
     let qp_ref = |q: usize, lane: usize| &qps[qp_index[q * LANES + lane]];
 
     let mine = Endpoint {
