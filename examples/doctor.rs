@@ -111,69 +111,6 @@ fn read(p: impl AsRef<Path>) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
-/// RDMA devices as sysfs shows them: port state, link layer, PCI function
-/// and PCIe link.
-fn devices(r: &mut Report) {
-    let root = Path::new("/sys/class/infiniband");
-    let mut names: Vec<String> = match std::fs::read_dir(root) {
-        Ok(d) => d
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect(),
-        Err(_) => Vec::new(),
-    };
-    names.sort();
-    if names.is_empty() {
-        r.line("RDMA devices: none in /sys/class/infiniband");
-        return;
-    }
-    r.line("RDMA devices:");
-    for n in names {
-        let dev = root.join(&n);
-        let pci = std::fs::read_link(dev.join("device"))
-            .ok()
-            .and_then(|p| p.file_name().map(|f| f.to_string_lossy().into_owned()));
-        let mut ports = Vec::new();
-        if let Ok(ps) = std::fs::read_dir(dev.join("ports")) {
-            for p in ps.filter_map(|e| e.ok()) {
-                let pp = p.path();
-                ports.push(format!(
-                    "port {}: {} ({}), {}, {}",
-                    p.file_name().to_string_lossy(),
-                    read(pp.join("state")).unwrap_or_default(),
-                    read(pp.join("phys_state")).unwrap_or_default(),
-                    read(pp.join("link_layer")).unwrap_or_default(),
-                    read(pp.join("rate")).unwrap_or_default(),
-                ));
-            }
-        }
-        let link = pci.as_ref().and_then(|a| {
-            let d = Path::new("/sys/bus/pci/devices").join(a);
-            Some((
-                read(d.join("current_link_speed"))?,
-                read(d.join("current_link_width"))?,
-                read(d.join("max_link_speed")).unwrap_or_default(),
-                read(d.join("max_link_width")).unwrap_or_default(),
-            ))
-        });
-        r.line(format!(
-            "  {n}: PCI {}; {}",
-            pci.as_deref().unwrap_or("none (software device)"),
-            ports.join("; ")
-        ));
-        if let Some((speed, width, max_speed, max_width)) = link {
-            r.line(format!(
-                "    PCIe link {speed} x{width} (device max {max_speed} x{max_width})"
-            ));
-            if width != max_width && !max_width.is_empty() {
-                r.problem(format!(
-                    "{n}: PCIe link runs at x{width} of x{max_width}: half the bandwidth of this root (update the BIOS / reseat; some units run root 1 at x2)"
-                ));
-            }
-        }
-    }
-}
-
 /// `Max locked memory` from /proc/self/limits, and whether CAP_IPC_LOCK
 /// lifts it.
 fn memlock(r: &mut Report) {
@@ -285,6 +222,9 @@ fn selection(r: &mut Report, cfg: &Config) -> Option<String> {
             for n in &sel.notes {
                 r.line(format!("  why: {n}"));
             }
+            for w in sel.warnings() {
+                r.line(format!("  {w}"));
+            }
             None
         }
         Err(e) => {
@@ -389,7 +329,10 @@ fn main() -> ExitCode {
             None
         }
     };
-    devices(&mut r);
+    // Topology's own report: devices, roots, ports, GIDs, PCIe links, CPUs.
+    for l in arx::topology::report().lines() {
+        r.line(format!("topology: {l}"));
+    }
     let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c));
     memlock(&mut r);
     cuda(&mut r);

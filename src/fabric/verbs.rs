@@ -904,38 +904,6 @@ pub(crate) struct VerbsFabric {
     polls: u32,
 }
 
-fn check_memlock(needed: usize) -> Result<()> {
-    // CAP_IPC_LOCK (bit 14) lifts the limit for ibv_reg_mr.
-    let capable = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << 14) != 0);
-    // SAFETY: rlimit is plain old data, filled by getrlimit.
-    let mut lim: libc::rlimit = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid resource and a writable struct.
-    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } != 0 {
-        return Err(Error::last_os("getrlimit", "RLIMIT_MEMLOCK"));
-    }
-    if capable || lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur as usize >= needed {
-        return Ok(());
-    }
-    Err(Error::Unavailable {
-        what: "enough locked memory for RDMA",
-        reason: format!(
-            "RLIMIT_MEMLOCK is {} bytes but the Verbs fabric pins about {needed}; raise it \
-             (`ulimit -l unlimited`, docker --ulimit memlock=-1, \
-             /etc/security/limits.conf `* - memlock unlimited`, or Slurm's PropagateResourceLimits)",
-            lim.rlim_cur
-        ),
-    })
-}
-
-/// Opens the lanes' devices, registers the region and creates the QPs (in
-/// INIT); everything local, before the exchange.
 /// What `open_local` made: devices, the device of each lane, QPs (in INIT)
 /// and the index of (peer, lane) into them.
 struct Local {
@@ -971,7 +939,7 @@ fn open_local(layout: &Layout, region: &Region, lanes: &[LaneDevice]) -> Result<
     let per_qp = (u64::from(SQ_DEPTH) / SIGNAL_EVERY + 2) as usize;
     let needed =
         names.len() * region.len() + (world - 1) * LANES * (SQ_DEPTH as usize) * 256 + (1 << 20);
-    check_memlock(needed)?;
+    topology::check_memlock(needed)?;
 
     let list = DeviceList::get()?;
     let mut devices = Vec::with_capacity(names.len());
