@@ -250,6 +250,12 @@ impl Config {
         }
     }
 
+    /// The settings from the `ARX_*` environment and defaults, as
+    /// [`crate::Arx::new`] resolves them (for tools such as `doctor`).
+    pub fn from_env() -> Result<Self> {
+        Self::resolve(&Overrides::default())
+    }
+
     /// Resolves the settings from builder overrides and the process environment.
     pub(crate) fn resolve(o: &Overrides) -> Result<Self> {
         Self::resolve_with(o, |k| std::env::var(k).ok())

@@ -50,9 +50,16 @@ impl Dtype {
 }
 
 /// Describes a call's (dtype code, count) pair for messages.
+/// Element count of the "invalid" flag words a rank writes to its peers when
+/// its fabric failed (see `fabric::verbs`), so that they fail at once.
+pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_COUNT_MASK as usize;
+
 pub(crate) fn describe_call(code: u32, count: usize) -> String {
     match Dtype::from_code(code) {
         Some(d) => format!("{count} x {}", d.name()),
+        None if code == abi::ARX_DTYPE_INVALID && count == POISON_COUNT => {
+            "nothing: its fabric failed (see that rank's error)".to_string()
+        }
         None if code == abi::ARX_DTYPE_INVALID => {
             format!("a call it refused ({count} elements: too long or bad arguments; see that rank's error)")
         }
