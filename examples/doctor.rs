@@ -36,15 +36,17 @@ struct Args {
     /// Only report; skip the all-reduce.
     #[arg(long)]
     no_allreduce: bool,
-    /// Fault drill (for CI): after one good call, this rank tears its
-    /// instance down; every other rank must then fail fast, naming a peer.
+    /// Fault drill (for CI): after one good call, this rank drops its
+    /// instance; every other rank's next call must fail within the timeout.
     #[arg(long, hide = true)]
     fault_drill: Option<usize>,
 }
 
 /// The fault drill: one good call, then rank `leaver` drops its instance
-/// (destroying its QPs) and the others call again. Passes when every other
-/// rank gets an error well within the timeout.
+/// (which closes collectively: it waits, bounded, for the others) and the
+/// others call again. Passes when every other rank gets an error — a
+/// timeout naming the leaver, or a fabric error — within the timeout (plus
+/// slack for a slow machine), instead of hanging.
 fn fault_drill(
     world: &mpi::topology::SimpleCommunicator,
     args: &Args,
@@ -76,8 +78,8 @@ fn fault_drill(
     let mut out = vec![f32::NAN; n];
     match arx.allreduce_host(&input, &mut out) {
         Ok(()) => Err(format!("the call after rank {leaver} left succeeded")),
-        Err(e) if start.elapsed() < timeout / 2 => Ok(format!(
-            "failed fast as it should, after {:?} (timeout {timeout:?}): {e}",
+        Err(e) if start.elapsed() < timeout + std::time::Duration::from_secs(10) => Ok(format!(
+            "failed within the bound as it should, after {:?} (timeout {timeout:?}): {e}",
             start.elapsed()
         )),
         Err(e) => Err(format!(

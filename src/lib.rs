@@ -376,10 +376,10 @@ impl Arx {
         };
         let fabric_name = fabric.name();
         let fabric_desc = fabric.describe();
-        let proxy = boot.agree(
-            "proxy start",
-            Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cfg.proxy_cpu),
-        )?;
+        let proxy = boot.agree("proxy start", {
+            let cpu = cfg.proxy_cpu.or(fabric.proxy_cpu());
+            Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
+        })?;
         boot.barrier("start-up barrier")?;
         log::info!(
             "arx: rank {rank}/{world} ready: device {}, fabric {fabric_name} ({fabric_desc}), {} bytes mapped",
@@ -726,6 +726,17 @@ impl Drop for Arx {
         if let Side::Gpu(g) = &self.side {
             if let Err(e) = g.synchronize() {
                 log::warn!("arx: synchronize at drop failed: {e}");
+            }
+        }
+        // Collective close for RC queue pairs: every rank drains its own
+        // sends (each completion means the peer acknowledged), then a bounded
+        // barrier, then the endpoints go. Without the barrier a rank could
+        // destroy its QPs while a peer's last writes still await their
+        // acknowledgement, and that peer would see "retry exceeded".
+        self.proxy.stop();
+        if self.proxy.needs_collective_close() {
+            if let Err(e) = self.boot.barrier("collective close") {
+                log::warn!("arx: rank {}: closing without every peer: {e}", self.rank());
             }
         }
     }

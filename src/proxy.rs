@@ -133,7 +133,11 @@ impl Proxy {
             stop: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
-            engine: Mutex::new(Engine { fabric, posted: 0, sent: 0 }),
+            engine: Mutex::new(Engine {
+                fabric,
+                posted: 0,
+                sent: 0,
+            }),
         });
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
@@ -170,11 +174,13 @@ impl Proxy {
     }
 }
 
-impl Drop for Proxy {
-    fn drop(&mut self) {
+impl Proxy {
+    /// Stops the thread after it has drained what was published (bounded by
+    /// the timeout) and joins it. The fabric stays alive until the proxy is
+    /// dropped, so that the caller can close collectively in between.
+    pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
-            // The thread drains what was published, bounded by the timeout.
             let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
             while !t.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
@@ -188,6 +194,22 @@ impl Drop for Proxy {
                 );
             }
         }
+    }
+
+    /// True when the fabric wants a collective close (see [`Fabric`]).
+    pub fn needs_collective_close(&self) -> bool {
+        self.shared
+            .engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fabric
+            .needs_collective_close()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

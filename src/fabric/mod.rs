@@ -28,4 +28,14 @@ pub(crate) trait Fabric: Send {
     fn quiescent(&self) -> bool;
     /// One line describing the fabric (devices, GIDs, MTU, segment).
     fn describe(&self) -> String;
+    /// The CPU the topology chose for the proxy thread, if any.
+    fn proxy_cpu(&self) -> Option<usize> {
+        None
+    }
+    /// True when tearing down this rank's endpoints could fail a peer's
+    /// sends still awaiting acknowledgement (RC queue pairs): the instance
+    /// then closes collectively (drain, barrier, destroy).
+    fn needs_collective_close(&self) -> bool {
+        false
+    }
 }

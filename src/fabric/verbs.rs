@@ -902,6 +902,8 @@ pub(crate) struct VerbsFabric {
     failed: Option<Error>,
     /// `progress` calls since the last stall check.
     polls: u32,
+    /// The proxy core the topology chose (ARX_PROXY_CPU wins there).
+    proxy_cpu: Option<usize>,
 }
 
 /// What `open_local` made: devices, the device of each lane, QPs (in INIT)
@@ -986,7 +988,7 @@ pub(crate) fn connect(
     let local = topology::select(cfg)
         .and_then(|sel| open_local(layout, region, &sel.lanes).map(|l| (sel, l)));
     let (
-        _sel,
+        sel,
         Local {
             devices,
             lane_dev,
@@ -1086,6 +1088,7 @@ pub(crate) fn connect(
         tail: false,
         failed: None,
         polls: 0,
+        proxy_cpu: sel.proxy_cpu,
     };
     log::info!("arx verbs: rank {me}: {}", fabric.describe());
     Ok(fabric)
@@ -1436,6 +1439,14 @@ impl Fabric for VerbsFabric {
             self.flush_tails(true)?;
         }
         Ok(())
+    }
+
+    fn proxy_cpu(&self) -> Option<usize> {
+        self.proxy_cpu
+    }
+
+    fn needs_collective_close(&self) -> bool {
+        true
     }
 
     fn quiescent(&self) -> bool {
