@@ -24,6 +24,27 @@
 //! # Ok::<(), arx::Error>(())
 //! ```
 //!
+//! On GPU buffers (the GPU side is chosen when every rank has a usable CUDA
+//! device; the call is enqueued on `stream` and can be captured into a CUDA
+//! graph):
+//!
+//! ```no_run
+//! use arx::Arx;
+//! use half::bf16;
+//! use mpi::traits::*;
+//!
+//! let universe = mpi::initialize().unwrap();
+//! let world = universe.world();
+//! let mut arx = Arx::new(&world)?;
+//! let ctx = arx.cuda_context().expect("a GPU instance").clone();
+//! let stream = ctx.default_stream();
+//! let input = stream.memcpy_stod(&vec![bf16::from_f32(1.0); 4096]).unwrap();
+//! let mut output = stream.alloc_zeros::<bf16>(4096).unwrap();
+//! arx.allreduce(&input, &mut output, &stream)?;
+//! arx.check()?; // synchronizes; returns any error the kernel recorded
+//! # Ok::<(), arx::Error>(())
+//! ```
+//!
 //! ## Device sides and fabrics
 //!
 //! | setting | choices (`ARX_*` variable) | default |
