@@ -241,11 +241,18 @@ mod tests {
     fn bf16_conversions_match_half() {
         for b in 0..=u16::MAX {
             let h = bf16::from_bits(b);
-            assert_eq!(bf16_bits_to_f32(b).to_bits(), h.to_f32().to_bits(), "{b:#x}");
+            assert_eq!(
+                bf16_bits_to_f32(b).to_bits(),
+                h.to_f32().to_bits(),
+                "{b:#x}"
+            );
         }
         let mut x = 0x9e37_79b9u32;
         let mut patterns: Vec<u32> = (0..=255u32)
-            .flat_map(|e| [0u32, 1, 0x7fff, 0x8000, 0x8001, 0x17fff, 0x18000, 0x7f_ffff].map(move |m| (e << 23) | m))
+            .flat_map(|e| {
+                [0u32, 1, 0x7fff, 0x8000, 0x8001, 0x17fff, 0x18000, 0x7f_ffff]
+                    .map(move |m| (e << 23) | m)
+            })
             .flat_map(|v| [v, v | 0x8000_0000])
             .collect();
         for _ in 0..200_000 {
