@@ -85,22 +85,13 @@ fn main() -> ExitCode {
     }
 }
 
-fn bytes(name: &str, s: &str) -> Result<usize, String> {
-    let t = s.trim();
-    let (num, mul) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1usize << 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    num.parse::<usize>()
-        .map(|n| n * mul)
-        .map_err(|_| format!("{name}: bad size {s:?}"))
-}
-
 fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
-    let min = bytes("-b", &args.min)?.max(1);
-    let max = bytes("-e", &args.max)?.max(min);
+    let min = arx::parse_bytes("-b", &args.min)
+        .map_err(|e| e.to_string())?
+        .max(1);
+    let max = arx::parse_bytes("-e", &args.max)
+        .map_err(|e| e.to_string())?
+        .max(min);
     if args.factor < 2 {
         return Err("-f must be at least 2".into());
     }

@@ -854,17 +854,7 @@ fn main() -> ExitCode {
         sizes: cli
             .sizes
             .iter()
-            .filter_map(|s| {
-                let t = s.trim().to_ascii_uppercase();
-                let (n, m) = match t.strip_suffix('K') {
-                    Some(n) => (n.to_string(), 1 << 10),
-                    None => match t.strip_suffix('M') {
-                        Some(n) => (n.to_string(), 1 << 20),
-                        None => (t.clone(), 1),
-                    },
-                };
-                n.parse::<usize>().ok().map(|v| v * m)
-            })
+            .filter_map(|s| arx::parse_bytes("--sizes", s).ok())
             .collect(),
     };
     // Skip (exit 77) where no GPU is usable, on every rank alike.

@@ -137,7 +137,8 @@ use mpi::topology::Communicator;
 pub use cudarc;
 
 pub use config::{
-    Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT,
+    parse_bytes, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_SLOT_BYTES,
+    DEFAULT_TIMEOUT,
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
