@@ -40,6 +40,12 @@ struct Args {
     /// instance; every other rank's next call must fail within the timeout.
     #[arg(long, hide = true)]
     fault_drill: Option<usize>,
+    /// Fault drill (for CI): after one good call, this rank breaks its
+    /// lane-0 queue pair to rank 0 (or to rank 1 if it is rank 0); its next
+    /// call must fail with a verbs error, and every other rank must fail at
+    /// once naming it (poisoned flags), not by a timeout.
+    #[arg(long, hide = true)]
+    break_qp_drill: Option<usize>,
 }
 
 /// The fault drill: one good call, then rank `leaver` drops its instance
@@ -85,6 +91,55 @@ fn fault_drill(
         Err(e) => Err(format!(
             "failed only after {:?} (timeout {timeout:?}): {e}",
             start.elapsed()
+        )),
+    }
+}
+
+/// The QP drill: one good call, then rank `breaker` puts one of its queue
+/// pairs into the error state and every rank calls again.
+fn break_qp_drill(
+    world: &mpi::topology::SimpleCommunicator,
+    args: &Args,
+    breaker: usize,
+) -> Result<String, String> {
+    let mut arx = Arx::new(world).map_err(|e| format!("set-up failed: {e}"))?;
+    let me = arx.rank();
+    let n = 4096usize.min(arx.max_count::<f32>());
+    let one = Args {
+        iters: 1,
+        ..args.clone()
+    };
+    let wrong = check::<f32>(&mut arx, &one, n, f32::NAN)
+        .map_err(|e| format!("the good call failed: {e}"))?;
+    if wrong != 0 {
+        return Err(format!("the good call had {wrong} wrong elements"));
+    }
+    let victim = if breaker == 0 { 1 } else { 0 };
+    if me == breaker {
+        arx.inject_fault(victim, 0)
+            .map_err(|e| format!("could not break the QP: {e}"))?;
+    }
+    let timeout = arx.config().timeout;
+    let start = std::time::Instant::now();
+    let input = vec![1.0f32; n];
+    let mut out = vec![f32::NAN; n];
+    let r = arx.allreduce_host(&input, &mut out);
+    let took = start.elapsed();
+    let fast = took < timeout / 2;
+    match r {
+        Ok(()) => Err("the call after the QP broke succeeded".into()),
+        Err(e @ arx::Error::Verbs { .. }) if me == breaker && fast => {
+            Ok(format!("failed at once as it should, after {took:?}: {e}"))
+        }
+        Err(e @ arx::Error::CallMismatch { .. })
+            if me != breaker && fast && e.to_string().contains("fabric failed") =>
+        {
+            Ok(format!(
+                "told by rank {breaker} at once, after {took:?}: {e}"
+            ))
+        }
+        Err(e) => Err(format!(
+            "unexpected outcome after {took:?} (timeout {timeout:?}): {e}"
         )),
     }
 }
@@ -293,6 +348,18 @@ fn main() -> ExitCode {
     let world = universe.world();
     let rank = world.rank() as usize;
     let n = world.size() as usize;
+    if let Some(breaker) = args.break_qp_drill {
+        return match break_qp_drill(&world, &args, breaker) {
+            Ok(m) => {
+                println!("[rank {rank}] QP drill: {m}");
+                ExitCode::SUCCESS
+            }
+            Err(m) => {
+                println!("[rank {rank}] QP drill: PROBLEM: {m}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(leaver) = args.fault_drill {
         return match fault_drill(&world, &args, leaver) {
             Ok(m) => {

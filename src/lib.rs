@@ -456,6 +456,14 @@ impl Arx {
             rank: self.rank(),
         }
     }
+    /// Fault injection for tests and drills: breaks this rank's endpoint to
+    /// `peer` on `lane` (Verbs: the QP goes to the error state), so that the
+    /// next call exercises the failure path. Not for production use.
+    #[doc(hidden)]
+    pub fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
+        self.proxy.inject_fault(peer, lane)
+    }
+
     /// A barrier over the instance's private communicator, bounded by the
     /// timeout (a rank that never arrives is an [`Error::Timeout`]).
     pub fn barrier(&self) -> Result<()> {

@@ -196,6 +196,16 @@ impl Proxy {
         }
     }
 
+    /// Fault injection for tests: see [`Fabric::inject_fault`].
+    pub fn inject_fault(&self, peer: usize, lane: usize) -> Result<()> {
+        self.shared
+            .engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .fabric
+            .inject_fault(peer, lane)
+    }
+
     /// True when the fabric wants a collective close (see [`Fabric`]).
     pub fn needs_collective_close(&self) -> bool {
         self.shared

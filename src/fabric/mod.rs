@@ -28,6 +28,17 @@ pub(crate) trait Fabric: Send {
     fn quiescent(&self) -> bool;
     /// One line describing the fabric (devices, GIDs, MTU, segment).
     fn describe(&self) -> String;
+    /// Puts the endpoint to `peer` on `lane` into an error state (fault
+    /// injection for tests: the next send there fails).
+    fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
+        Err(crate::error::Error::Unavailable {
+            what: "fault injection",
+            reason: format!(
+                "the {} fabric has no endpoint to break (peer {peer}, lane {lane})",
+                self.name()
+            ),
+        })
+    }
     /// The CPU the topology chose for the proxy thread, if any.
     fn proxy_cpu(&self) -> Option<usize> {
         None

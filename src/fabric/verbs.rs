@@ -693,6 +693,20 @@ fn to_rtr(qp: &Qp, dev: &Device, remote: &RemoteQp, mtu: ibv_mtu::Type) -> Resul
 }
 
 /// RTR → RTS: our send PSN, the ACK timeout and the retry counts.
+/// Any state → ERR: used only to inject a fault in tests ([`Fabric::inject_fault`]).
+fn to_err(qp: &Qp, dev: &Device) -> Result<()> {
+    let mut a = zeroed_attr();
+    a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+    modify(
+        qp,
+        dev,
+        "ibv_modify_qp(ERR)",
+        &mut a,
+        ibv_qp_attr_mask::IBV_QP_STATE,
+        || "fault injection".into(),
+    )
+}
+
 fn to_rts(qp: &Qp, dev: &Device) -> Result<()> {
     let mut a = zeroed_attr();
     a.qp_state = ibv_qp_state::IBV_QPS_RTS;
@@ -1105,6 +1119,62 @@ struct Write {
 }
 
 impl VerbsFabric {
+    /// Posts call `seq` to every peer (see [`Fabric::post`]).
+    fn post_all(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
+        let p = (seq & 1) as usize;
+        let me = self.layout.rank();
+        let world = self.layout.world();
+        let src = self.base + self.layout.send_offset(p) as u64;
+        let dst_data = self.layout.recv_offset(p, me) as u64;
+        for step in 1..world {
+            let q = (me + step) % world;
+            for lane in 0..LANES {
+                let i = self.qp_index[q * LANES + lane];
+                let rr = self.remote[q * LANES + lane];
+                let part = Layout::lane_range(bytes, lane);
+                let flag_remote = rr.addr + self.layout.flag_offset(p, me, lane) as u64;
+                let lkey = self.devices[self.lane_dev[lane]].mr.lkey();
+                let data = Write {
+                    local: src + part.start as u64,
+                    len: part.len() as u32,
+                    lkey: Some(lkey),
+                    remote: rr.addr + dst_data + part.start as u64,
+                    rkey: rr.rkey,
+                };
+                // INLINE: the word is copied when posted; `flag` is a value.
+                let flag_wr = Write {
+                    local: &flag as *const u64 as u64,
+                    len: 8,
+                    lkey: None,
+                    remote: flag_remote,
+                    rkey: rr.rkey,
+                };
+                if part.is_empty() {
+                    self.reserve(i, 1)?;
+                    self.post_chain(i, &[flag_wr], false)?;
+                } else {
+                    self.reserve(i, 2)?;
+                    self.post_chain(i, &[data, flag_wr], false)?;
+                }
+                self.qps[i].last_flag = Some((flag_remote, flag));
+            }
+        }
+        self.last_seq = seq;
+        self.last_post = Instant::now();
+        Ok(())
+    }
+
+    /// Records the first failure and tells every peer still reachable
+    /// (poisoned flags for `seq` and `seq + 1`), so they fail at once naming
+    /// this rank instead of timing out.
+    fn fail(&mut self, e: Error, seq: u64) -> Error {
+        if self.failed.is_none() {
+            self.failed = Some(e.clone());
+            self.poison(seq);
+        }
+        e
+    }
+
     fn device_name(&self, qp: &Qp) -> &str {
         &self.devices[qp.dev].ctx.name
     }
@@ -1195,6 +1265,10 @@ impl VerbsFabric {
         // point into our registered region.
         let rc = unsafe { ibv_post_send(qp.raw.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
         if rc != 0 {
+            // The provider refused the chain (e.g. the QP is in error): later
+            // posts must not use this QP, the poison goes through another.
+            self.qps[i].broken = true;
+            let qp = &self.qps[i];
             let (peer, lane) = (qp.peer, qp.lane);
             return Err(verbs_err(
                 "ibv_post_send",
@@ -1314,47 +1388,17 @@ impl Fabric for VerbsFabric {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
-        let p = (seq & 1) as usize;
-        let me = self.layout.rank();
-        let world = self.layout.world();
-        let src = self.base + self.layout.send_offset(p) as u64;
-        let dst_data = self.layout.recv_offset(p, me) as u64;
-        for step in 1..world {
-            let q = (me + step) % world;
-            for lane in 0..LANES {
-                let i = self.qp_index[q * LANES + lane];
-                let rr = self.remote[q * LANES + lane];
-                let part = Layout::lane_range(bytes, lane);
-                let flag_remote = rr.addr + self.layout.flag_offset(p, me, lane) as u64;
-                let lkey = self.devices[self.lane_dev[lane]].mr.lkey();
-                let data = Write {
-                    local: src + part.start as u64,
-                    len: part.len() as u32,
-                    lkey: Some(lkey),
-                    remote: rr.addr + dst_data + part.start as u64,
-                    rkey: rr.rkey,
-                };
-                // INLINE: the word is copied when posted; `flag` is a value.
-                let flag_wr = Write {
-                    local: &flag as *const u64 as u64,
-                    len: 8,
-                    lkey: None,
-                    remote: flag_remote,
-                    rkey: rr.rkey,
-                };
-                if part.is_empty() {
-                    self.reserve(i, 1)?;
-                    self.post_chain(i, &[flag_wr], false)?;
-                } else {
-                    self.reserve(i, 2)?;
-                    self.post_chain(i, &[data, flag_wr], false)?;
-                }
-                self.qps[i].last_flag = Some((flag_remote, flag));
-            }
-        }
-        self.last_seq = seq;
-        self.last_post = Instant::now();
-        Ok(())
+        self.post_all(seq, bytes, flag)
+            .map_err(|e| self.fail(e, seq))
+    }
+
+    fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
+        let i = *self
+            .qp_index
+            .get(peer * LANES + lane)
+            .ok_or_else(|| Error::InvalidArgument(format!("no QP to peer {peer} lane {lane}")))?;
+        let qp = &self.qps[i];
+        to_err(qp, &self.devices[qp.dev])
     }
 
     fn progress(&mut self) -> Result<()> {
@@ -1426,9 +1470,8 @@ impl Fabric for VerbsFabric {
             }
         }
         if let Some(e) = first_err {
-            self.failed = Some(e.clone());
-            self.poison(self.last_seq);
-            return Err(e);
+            let seq = self.last_seq;
+            return Err(self.fail(e, seq));
         }
         if self.tail && self.last_post.elapsed() > FLUSH_AFTER {
             self.flush_tails(false)?;
