@@ -24,11 +24,20 @@
 //! flag word signalled (idempotent), so that [`Fabric::quiescent`] becomes
 //! true and shutdown can drain.
 //!
-//! On a failed completion this rank records the error (the proxy raises the
-//! abort word) and, to spare its peers the full timeout, writes "poisoned"
-//! flag words (dtype INVALID, [`POISON_COUNT`]) for its last call and the
-//! next into every peer it can still reach: a peer waiting on this rank then
-//! fails at once with [`Error::CallMismatch`] naming this rank.
+//! On a failed post or completion this rank records the error (the proxy
+//! raises the abort word) and, to spare its peers the full timeout, writes
+//! "poisoned" flag words (dtype INVALID, [`POISON_COUNT`]) for its last call
+//! and the next into every peer it can still reach through a healthy QP: a
+//! peer waiting on this rank then fails at once with [`Error::CallMismatch`]
+//! naming this rank. A rank whose inputs for the call had all arrived before
+//! the failure was known keeps its (correct) result and fails on its next
+//! call instead: this rank when every peer's partial came before its failed
+//! send completed, a peer when this rank's sends to it went out before the
+//! broken one. No rank ever returns a wrong sum.
+//!
+//! A rank closes its QPs only after a bounded barrier (see `Arx`'s drop):
+//! a completion means the peer acknowledged, so once every rank has drained
+//! its own sends nobody still waits for an acknowledgement.
 //!
 //! Resource lifetime is right by construction: each verbs object holds an
 //! `Arc` of its parents (QP → PD, CQ; MR → PD; PD, CQ → context), so
