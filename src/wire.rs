@@ -236,8 +236,15 @@ mod tests {
         assert_eq!(v[2].host, "spark-2");
     }
 
-    fn rejected(f: impl Fn(usize, &mut PeerInfo), what: &str, rank: usize) {
-        match validate(&all(f)) {
+    /// Changes `rank`'s info with `f` and expects a mismatch naming `what`
+    /// and that rank.
+    fn rejected(rank: usize, f: impl Fn(&mut PeerInfo), what: &str) {
+        let infos = all(|r, p| {
+            if r == rank {
+                f(p)
+            }
+        });
+        match validate(&infos) {
             Err(Error::Mismatch {
                 what: w, rank: r, ..
             }) => {
@@ -250,69 +257,13 @@ mod tests {
 
     #[test]
     fn every_disagreement_is_named() {
-        rejected(
-            |r, p| {
-                if r == 2 {
-                    p.magic ^= 1
-                }
-            },
-            "magic",
-            2,
-        );
-        rejected(
-            |r, p| {
-                if r == 1 {
-                    p.abi_version += 1
-                }
-            },
-            "ABI version",
-            1,
-        );
-        rejected(
-            |r, p| {
-                if r == 1 {
-                    p.world = 4
-                }
-            },
-            "world size",
-            1,
-        );
-        rejected(
-            |r, p| {
-                if r == 2 {
-                    p.rank = 0
-                }
-            },
-            "rank number",
-            2,
-        );
-        rejected(
-            |r, p| {
-                if r == 2 {
-                    p.slot_bytes = 4096
-                }
-            },
-            "slot size",
-            2,
-        );
-        rejected(
-            |r, p| {
-                if r == 1 {
-                    p.dtype_set = 1 << abi::ARX_DTYPE_F32
-                }
-            },
-            "dtype set",
-            1,
-        );
-        rejected(
-            |r, p| {
-                if r == 1 {
-                    p.fabric = FabricKind::Verbs
-                }
-            },
-            "fabric",
-            1,
-        );
+        rejected(2, |p| p.magic ^= 1, "magic");
+        rejected(1, |p| p.abi_version += 1, "ABI version");
+        rejected(1, |p| p.world = 4, "world size");
+        rejected(2, |p| p.rank = 0, "rank number");
+        rejected(2, |p| p.slot_bytes = 4096, "slot size");
+        rejected(1, |p| p.dtype_set = 1 << abi::ARX_DTYPE_F32, "dtype set");
+        rejected(1, |p| p.fabric = FabricKind::Verbs, "fabric");
     }
 
     #[test]
