@@ -309,11 +309,16 @@ pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
             } else {
                 "missing"
             };
-            out.push(format!(
-                "peer {q} lane {lane}: {state} (last call {} of this parity, {})",
-                flag_seq(f),
-                crate::dtype::describe_call(d, n)
-            ));
+            let last = if f == 0 {
+                "nothing received on this parity yet".to_string()
+            } else {
+                format!(
+                    "last call {} of this parity, {}",
+                    flag_seq(f),
+                    crate::dtype::describe_call(d, n)
+                )
+            };
+            out.push(format!("peer {q} lane {lane}: {state} ({last})"));
         }
     }
     out.join("; ")

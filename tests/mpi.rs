@@ -138,6 +138,10 @@ fn child() -> ExitCode {
         ("one rank calls with another length", length_mismatch),
         ("one rank calls with another dtype", dtype_mismatch),
         ("one rank's call is too long", too_long),
+        (
+            "a refusal is seen while another rank is silent (3+ ranks)",
+            refusal_past_silence,
+        ),
         ("one rank stops calling", rank_stops),
         ("one rank never arrives at start-up", bootstrap_timeout),
     ];
@@ -448,6 +452,38 @@ fn too_long(ctx: &Ctx) -> Result<(), String> {
     // Refused at once, not by a timeout.
     if t.elapsed() > arx.config().timeout / 2 {
         return Err(format!("the refusal took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+/// Rank 0 stops calling and rank 1 refuses its call: every other rank must
+/// fail at once naming rank 1, although rank 0 (silent) comes first in its
+/// order of peers.
+fn refusal_past_silence(ctx: &Ctx) -> Result<(), String> {
+    if ctx.n < 3 {
+        return Ok(()); // needs a silent rank, a refusing rank and a witness
+    }
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 100, false)?;
+    if ctx.rank == 0 {
+        return Ok(()); // silent
+    }
+    let max = arx.max_count::<f32>();
+    let count = if ctx.rank == 1 { max + 1 } else { 100 };
+    let input = verify::input::<f32>(SEED, 2, ctx.rank, count);
+    let mut out = vec![0f32; count];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    expect_err("refusal past a silent rank", r, |e| match e {
+        Error::InvalidArgument(_) => ctx.rank == 1,
+        Error::CallMismatch { peer, .. } => *peer == 1,
+        _ => false,
+    })?;
+    if t.elapsed() > arx.config().timeout / 2 {
+        return Err(format!(
+            "took {:?}: the refusal was not seen past the silent rank",
+            t.elapsed()
+        ));
     }
     Ok(())
 }

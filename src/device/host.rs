@@ -11,6 +11,10 @@ use crate::proxy::{peer_flags, Shared};
 use crate::spin::Backoff;
 use crate::Config;
 
+/// Words of the arrived-flags bit set: two lanes for each of at most
+/// `ARX_MAX_WORLD - 1` peers (kept on the stack: no allocation per call).
+const FLAG_SET_WORDS: usize = (2 * crate::abi::ARX_MAX_WORLD as usize).div_ceil(64);
+
 /// Runs one call: publish, wait for every peer's flags, sum in rank order.
 ///
 /// `input` None means in place (the partial is read from `output`).
@@ -43,50 +47,64 @@ pub(crate) fn allreduce<T: Element>(
     // posting is serialised by the engine lock).
     shared.pump(true);
 
-    // 2. Wait for both lanes of every peer, bounded.
+    // 2. Wait for both lanes of every peer, bounded. Every round looks at
+    //    every flag still missing, so that a peer reporting a failure (or a
+    //    mismatched call) is seen even while another peer is silent. A flag
+    //    that arrived is not read again: its data is ours for this call.
     let start = Instant::now();
     let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
-    for step in 1..world {
-        let q = (me + step) % world;
-        for lane in 0..2 {
-            let word = region.u64_at(layout.flag_offset(p, q, lane));
-            loop {
-                let f = word.load(Ordering::Acquire);
-                if flag_seq(f) == seq as u32 {
-                    if f != flag {
-                        let (d, n) = flag_call(f);
-                        return Err(Error::CallMismatch {
-                            seq,
-                            rank: me,
-                            ours: describe_call(T::DTYPE.code(), count),
-                            peer: q,
-                            theirs: describe_call(d, n),
-                        });
-                    }
-                    break;
-                }
-                // Keep our own sends moving (verbs completions, a full send
-                // queue) while waiting.
-                shared.pump(false);
-                if ctrl.aborted() {
-                    return Err(shared.error().unwrap_or_else(|| Error::Kernel {
-                        seq,
-                        detail: "aborted while waiting for peers".into(),
-                    }));
-                }
-                if start.elapsed() > cfg.timeout {
-                    return Err(Error::Timeout {
-                        during: "allreduce (waiting for peers' flags)",
-                        waited: start.elapsed(),
-                        detail: format!(
-                            "rank {me}, call {seq}: {}",
-                            peer_flags(region, layout, seq)
-                        ),
-                    });
-                }
-                backoff.idle();
+    let flags = (world - 1) * 2;
+    let mut arrived = [0u64; FLAG_SET_WORDS];
+    let mut missing = flags;
+    while missing > 0 {
+        let before = missing;
+        for i in 0..flags {
+            if arrived[i / 64] & (1 << (i % 64)) != 0 {
+                continue;
             }
+            let (q, lane) = ((me + 1 + i / 2) % world, i % 2);
+            let f = region
+                .u64_at(layout.flag_offset(p, q, lane))
+                .load(Ordering::Acquire);
+            if flag_seq(f) != seq as u32 {
+                continue;
+            }
+            if f != flag {
+                let (d, n) = flag_call(f);
+                return Err(Error::CallMismatch {
+                    seq,
+                    rank: me,
+                    ours: describe_call(T::DTYPE.code(), count),
+                    peer: q,
+                    theirs: describe_call(d, n),
+                });
+            }
+            arrived[i / 64] |= 1 << (i % 64);
+            missing -= 1;
         }
+        if missing == 0 {
+            break;
+        }
+        if missing < before {
+            backoff.reset();
+        }
+        // Keep our own sends moving (verbs completions, a full send queue)
+        // while waiting.
+        shared.pump(false);
+        if ctrl.aborted() {
+            return Err(shared.error().unwrap_or_else(|| Error::Kernel {
+                seq,
+                detail: "aborted while waiting for peers".into(),
+            }));
+        }
+        if start.elapsed() > cfg.timeout {
+            return Err(Error::Timeout {
+                during: "allreduce (waiting for peers' flags)",
+                waited: start.elapsed(),
+                detail: format!("rank {me}, call {seq}: {}", peer_flags(region, layout, seq)),
+            });
+        }
+        backoff.idle();
     }
 
     // 3. Sum in rank order (own partial from the send slot: the same bytes
