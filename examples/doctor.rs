@@ -50,6 +50,25 @@ struct Args {
     break_qp_drill: Option<usize>,
 }
 
+/// The drills' start: an instance and one checked call of `n` floats.
+fn after_one_good_call(
+    world: &mpi::topology::SimpleCommunicator,
+    args: &Args,
+) -> Result<(Arx, usize), String> {
+    let mut arx = Arx::new(world).map_err(|e| format!("set-up failed: {e}"))?;
+    let n = 4096usize.min(arx.max_count::<f32>());
+    let one = Args {
+        iters: 1,
+        ..args.clone()
+    };
+    let wrong = check::<f32>(&mut arx, &one, n, f32::NAN)
+        .map_err(|e| format!("the good call failed: {e}"))?;
+    if wrong != 0 {
+        return Err(format!("the good call had {wrong} wrong elements"));
+    }
+    Ok((arx, n))
+}
+
 /// The fault drill: one good call, then rank `leaver` drops its instance
 /// (which closes collectively: it waits, bounded, for the others) and the
 /// others call again. Passes when every other rank gets an error — a
@@ -60,22 +79,8 @@ fn fault_drill(
     args: &Args,
     leaver: usize,
 ) -> Result<String, String> {
-    let mut arx = Arx::new(world).map_err(|e| format!("set-up failed: {e}"))?;
+    let (mut arx, n) = after_one_good_call(world, args)?;
     let me = arx.rank();
-    let n = 4096usize.min(arx.max_count::<f32>());
-    let wrong = check::<f32>(
-        &mut arx,
-        &Args {
-            iters: 1,
-            ..args.clone()
-        },
-        n,
-        f32::NAN,
-    )
-    .map_err(|e| format!("the good call failed: {e}"))?;
-    if wrong != 0 {
-        return Err(format!("the good call had {wrong} wrong elements"));
-    }
     if me == leaver {
         drop(arx);
         return Ok("left after one good call".into());
@@ -104,18 +109,8 @@ fn break_qp_drill(
     args: &Args,
     breaker: usize,
 ) -> Result<String, String> {
-    let mut arx = Arx::new(world).map_err(|e| format!("set-up failed: {e}"))?;
+    let (mut arx, n) = after_one_good_call(world, args)?;
     let me = arx.rank();
-    let n = 4096usize.min(arx.max_count::<f32>());
-    let one = Args {
-        iters: 1,
-        ..args.clone()
-    };
-    let wrong = check::<f32>(&mut arx, &one, n, f32::NAN)
-        .map_err(|e| format!("the good call failed: {e}"))?;
-    if wrong != 0 {
-        return Err(format!("the good call had {wrong} wrong elements"));
-    }
     let victim = if breaker == 0 { 1 } else { 0 };
     if me == breaker {
         arx.inject_fault(victim, 0)
