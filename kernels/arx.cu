@@ -490,7 +490,11 @@ __device__ void arx_run(const arx_params_t &p) {
             if (vec && e0 + VE <= count) {
                 float acc[8];
 #pragma unroll
-                for (int k = 0; k < 8; k++) acc[k] = 0.0f;
+                /* -0.0 is the identity of IEEE addition (-0 + x == x for
+                 * every x, -0 + -0 == -0), so the sum is exactly
+                 * ((p0 + p1) + p2) + ... including the sign of zero; a +0.0
+                 * start would turn all-(-0.0) inputs into +0.0. */
+                for (int k = 0; k < 8; k++) acc[k] = -0.0f;
                 /* Loads for up to 8 ranks in flight, then added in rank order. */
                 for (u32 r0 = 0; r0 < world; r0 += 8) {
                     vec4 v[8];
@@ -516,7 +520,7 @@ __device__ void arx_run(const arx_params_t &p) {
             } else {
                 u32 e1 = e0 + unit < count ? e0 + unit : count;
                 for (u32 e = e0; e < e1; e++) {
-                    float a = 0.0f;
+                    float a = -0.0f; /* see the vector path */
                     for (u32 r = 0; r < world; r++) {
                         S s;
                         if (r == me) {
@@ -545,16 +549,19 @@ __device__ void arx_run(const arx_params_t &p) {
     if (s_ticket != gridDim.x - 1) return;
 
     /* Copy-engine staging: the host copies the next call's partial into
-     * both send slots, so this call may end only once the proxy has finished
-     * reading this call's slot (bounded like every wait). */
-    if (tid == 0 && ld_relaxed_gpu_u32(&st->status) == 0 && !p.sm_staging) {
+     * both send slots, so a call that published may end only once the proxy
+     * has finished reading this call's slot -- also when the call failed
+     * (a timeout here, a mismatch, an abort): a peer may still complete this
+     * call with the data in flight, and the next call's copies, already
+     * queued behind this kernel, would overwrite it. The proxy advances
+     * ctrl.sent past every published seq once its sends completed (or, after
+     * a fabric failure, once nothing it posted is outstanding). Bounded like
+     * every wait. A call that did not publish (failed before staging) leaves
+     * nothing in flight. */
+    if (tid == 0 && !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage) {
         const u64 t0 = globaltimer();
         for (;;) {
             if (ld_acquire_sys_u64(&ctrl->sent) >= seq) break;
-            if (ld_relaxed_sys_u32(&ctrl->abort) != 0) {
-                arx_fail(ctrl, st, ARX_STATUS_ABORTED, me, 0xFFFFFFFFu, seq, 0);
-                break;
-            }
             if (globaltimer() - t0 > st->timeout_ns) {
                 arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, seq, 0);
                 break;

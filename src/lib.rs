@@ -620,7 +620,7 @@ impl Arx {
             ));
             return self.refuse_gpu(count, e, stream);
         }
-        let Side::Gpu(g) = &self.side else {
+        let Side::Gpu(g) = &mut self.side else {
             return Err(Error::InvalidArgument(
                 "this instance runs the host device side: use allreduce_host".into(),
             ));
@@ -640,7 +640,7 @@ impl Arx {
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
         self.ready()?;
-        if let Side::Gpu(g) = &self.side {
+        if let Side::Gpu(g) = &mut self.side {
             let c = count.min(abi::ARX_MAX_COUNT as usize);
             // SAFETY: an INVALID call touches no input or output memory.
             if let Err(e) = unsafe { g.launch(0, 0, c, abi::ARX_DTYPE_INVALID, stream) } {

@@ -3,37 +3,218 @@
 //!
 //! Every rank can compute every rank's input from `(seed, call, rank)`, so
 //! every rank computes the expected sum on its own, with no communication.
-//! The reference is a plain scalar loop written separately from the
-//! library's summation: fp32 accumulator, ranks in order, one rounding.
+//!
+//! The reference shares no code with the library: it decodes and rounds
+//! bf16/f16/f32 bit patterns with its own IEEE arithmetic (in f64, where
+//! every step here is exact) rather than the library's conversions or the
+//! `half` crate, and sums in plain scalar f32 adds starting from rank 0's
+//! value: `((p0 + p1) + p2) + …`, rounded once to the element type. A bug in
+//! the library's conversions or summation therefore shows up as a mismatch
+//! instead of being repeated by the reference.
+//!
+//! NaN: any NaN matches any NaN ([`count_wrong`]); the payload and sign of
+//! a NaN result are not specified (a GPU returns its canonical NaN).
 
 use rand::{Rng, SeedableRng};
 
-use crate::dtype::Element;
+use crate::dtype::{Dtype, Element};
+
+/// Bit layout of an IEEE binary format: exponent and mantissa widths.
+#[derive(Clone, Copy)]
+struct Format {
+    exp: u32,
+    man: u32,
+}
+
+fn format(d: Dtype) -> Format {
+    match d {
+        Dtype::Bf16 => Format { exp: 8, man: 7 },
+        Dtype::F16 => Format { exp: 5, man: 10 },
+        Dtype::F32 => Format { exp: 8, man: 23 },
+    }
+}
+
+impl Format {
+    fn bias(self) -> i32 {
+        (1 << (self.exp - 1)) - 1
+    }
+    fn max_exp_field(self) -> u32 {
+        (1 << self.exp) - 1
+    }
+    fn is_nan(self, bits: u32) -> bool {
+        (bits >> self.man) & self.max_exp_field() == self.max_exp_field()
+            && bits & ((1 << self.man) - 1) != 0
+    }
+    /// The value of `bits` (exact: every value of these formats is an f64).
+    fn decode(self, bits: u32) -> f64 {
+        let sign = if (bits >> (self.exp + self.man)) & 1 == 1 {
+            -1.0
+        } else {
+            1.0
+        };
+        let e = (bits >> self.man) & self.max_exp_field();
+        let m = f64::from(bits & ((1 << self.man) - 1));
+        let man = self.man as i32;
+        if e == self.max_exp_field() {
+            return if m == 0.0 {
+                sign * f64::INFINITY
+            } else {
+                f64::NAN
+            };
+        }
+        if e == 0 {
+            return sign * m * 2f64.powi(1 - self.bias() - man);
+        }
+        sign * (2f64.powi(man) + m) * 2f64.powi(e as i32 - self.bias() - man)
+    }
+    /// `x` rounded to nearest, ties to even (overflow to infinity).
+    fn encode(self, x: f64) -> u32 {
+        let sign = if x.is_sign_negative() {
+            1u32 << (self.exp + self.man)
+        } else {
+            0
+        };
+        if x.is_nan() {
+            return (self.max_exp_field() << self.man) | (1 << (self.man - 1));
+        }
+        let inf = sign | (self.max_exp_field() << self.man);
+        let a = x.abs();
+        if a.is_infinite() {
+            return inf;
+        }
+        if a == 0.0 {
+            return sign;
+        }
+        let man = self.man as i32;
+        let emin = 1 - self.bias();
+        let one = 1u64 << self.man;
+        if a < 2f64.powi(emin) {
+            // Subnormal (or rounds up to the smallest normal, whose bits
+            // are then exactly `q`).
+            let q = (a / 2f64.powi(emin - man)).round_ties_even() as u32;
+            return sign | q;
+        }
+        let mut e = ((a.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+        let mut q = (a / 2f64.powi(e - man)).round_ties_even() as u64;
+        if q == 2 * one {
+            e += 1;
+            q = one;
+        }
+        if e > self.bias() {
+            return inf;
+        }
+        sign | (((e + self.bias()) as u32) << self.man) | (q - one) as u32
+    }
+}
+
+/// The bits of `v` as a u32 (elements are 2 or 4 bytes).
+fn bits_of<T: Element>(v: &T) -> u32 {
+    let b = bytemuck::bytes_of(v);
+    match b.len() {
+        2 => u32::from(u16::from_le_bytes([b[0], b[1]])),
+        _ => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+    }
+}
+
+/// The element whose bits are `bits`.
+fn from_bits<T: Element>(bits: u32) -> T {
+    let b = bits.to_le_bytes();
+    bytemuck::pod_read_unaligned(&b[..std::mem::size_of::<T>()])
+}
+
+/// `x` rounded to `T` by the reference's own rounding.
+pub fn round_to<T: Element>(x: f32) -> T {
+    from_bits(format(T::DTYPE).encode(f64::from(x)))
+}
+
+/// The exact value of `v`, decoded by the reference's own code.
+pub fn value_of<T: Element>(v: &T) -> f32 {
+    format(T::DTYPE).decode(bits_of(v)) as f32
+}
+
+fn rng_for(seed: u64, call: u64, rank: usize) -> rand::rngs::StdRng {
+    let mix = seed
+        ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (rank as u64)
+            .wrapping_add(1)
+            .wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    rand::rngs::StdRng::seed_from_u64(mix)
+}
 
 /// Rank `rank`'s input for call `call` of a run seeded with `seed`:
 /// `count` values uniform in [-8, 8), rounded to `T`.
 pub fn input<T: Element>(seed: u64, call: u64, rank: usize, count: usize) -> Vec<T> {
-    let mix = seed
-        ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ (rank as u64 + 1).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(mix);
+    let mut rng = rng_for(seed, call, rank);
     (0..count)
-        .map(|_| T::from_f32(rng.gen_range(-8.0f32..8.0)))
+        .map(|_| round_to(rng.gen_range(-8.0f32..8.0)))
         .collect()
 }
 
-/// The expected result of call `call` over `world` ranks.
+/// Like [`input`], with the values that break assumptions at seeded
+/// positions (the same positions on every rank): −0.0 on every rank, ±0.0
+/// mixed, NaN on one rank, +Inf on one rank and −Inf on another, +Inf on
+/// every rank, subnormals of `T`, values whose sum overflows `T`, and
+/// values whose sum cancels exactly.
+pub fn input_edges<T: Element>(seed: u64, call: u64, rank: usize, count: usize) -> Vec<T> {
+    let mut v = input::<T>(seed, call, rank, count);
+    let f = format(T::DTYPE);
+    let tiny = f.decode(1) as f32; // the smallest subnormal
+    let big = f.decode(((f.max_exp_field() - 1) << f.man) | ((1 << f.man) - 1)) as f32;
+    // Which edge each position gets depends on (seed, call) only.
+    let mut pick = rng_for(seed, call, usize::MAX);
+    for x in v.iter_mut() {
+        let k = pick.gen_range(0..16u32);
+        let r = rank as u32;
+        let e: Option<f32> = match k {
+            0 => Some(-0.0),
+            1 => Some(if r % 2 == 0 { -0.0 } else { 0.0 }),
+            2 if r == 0 => Some(f32::NAN),
+            3 => Some(match r {
+                0 => f32::INFINITY,
+                1 => f32::NEG_INFINITY,
+                _ => 1.0,
+            }),
+            4 => Some(f32::INFINITY),
+            5 => Some(tiny * (1 + r % 3) as f32 * if r % 2 == 0 { 1.0 } else { -1.0 }),
+            6 => Some(big),
+            7 => Some(if r % 2 == 0 { 3.0 } else { -3.0 }),
+            _ => None,
+        };
+        if let Some(e) = e {
+            *x = round_to(e);
+        }
+    }
+    v
+}
+
+/// The arx rule computed independently: rank-order f32 sum starting from
+/// rank 0's value, one rounding to `T`.
+pub fn reference<T: Element>(inputs: &[Vec<T>]) -> Vec<T> {
+    let count = inputs.first().map_or(0, |v| v.len());
+    let f = format(T::DTYPE);
+    (0..count)
+        .map(|i| {
+            let mut acc = f.decode(bits_of(&inputs[0][i])) as f32;
+            for x in &inputs[1..] {
+                acc += f.decode(bits_of(&x[i])) as f32;
+            }
+            from_bits(f.encode(f64::from(acc)))
+        })
+        .collect()
+}
+
+/// The expected result of call `call` over `world` ranks ([`input`]).
 pub fn expected<T: Element>(seed: u64, call: u64, world: usize, count: usize) -> Vec<T> {
     let inputs: Vec<Vec<T>> = (0..world).map(|r| input(seed, call, r, count)).collect();
-    let mut out = Vec::with_capacity(count);
-    for i in 0..count {
-        let mut acc = 0.0f32;
-        for x in &inputs {
-            acc += x[i].to_f32();
-        }
-        out.push(T::from_f32(acc));
-    }
-    out
+    reference(&inputs)
+}
+
+/// The expected result of call `call` over `world` ranks ([`input_edges`]).
+pub fn expected_edges<T: Element>(seed: u64, call: u64, world: usize, count: usize) -> Vec<T> {
+    let inputs: Vec<Vec<T>> = (0..world)
+        .map(|r| input_edges(seed, call, r, count))
+        .collect();
+    reference(&inputs)
 }
 
 /// Fills `buf` with all-ones bytes (a NaN in every supported type), so a
@@ -42,18 +223,25 @@ pub fn poison<T: Element>(buf: &mut [T]) {
     bytemuck::cast_slice_mut::<T, u8>(buf).fill(0xff);
 }
 
-/// Number of elements whose bits differ.
+/// True when `got` is what `want` asks for: the same bits, or both NaN.
+pub fn same<T: Element>(got: &T, want: &T) -> bool {
+    let f = format(T::DTYPE);
+    let (g, w) = (bits_of(got), bits_of(want));
+    g == w || (f.is_nan(g) && f.is_nan(w))
+}
+
+/// Number of elements that differ ([`same`] is false); a length mismatch
+/// counts every element.
 pub fn count_wrong<T: Element>(got: &[T], want: &[T]) -> usize {
-    let g: &[u8] = bytemuck::cast_slice(got);
-    let w: &[u8] = bytemuck::cast_slice(want);
-    let s = std::mem::size_of::<T>();
-    if g.len() != w.len() {
+    if got.len() != want.len() {
         return got.len().max(want.len());
     }
-    g.chunks_exact(s)
-        .zip(w.chunks_exact(s))
-        .filter(|(a, b)| a != b)
-        .count()
+    got.iter().zip(want).filter(|(g, w)| !same(*g, *w)).count()
+}
+
+/// Index of the first element that differs, if any.
+pub fn first_wrong<T: Element>(got: &[T], want: &[T]) -> Option<usize> {
+    got.iter().zip(want).position(|(g, w)| !same(g, w))
 }
 
 /// FNV-1a digest of a buffer's bits (to compare results across ranks).
@@ -93,6 +281,76 @@ mod tests {
                 "{i}"
             );
         }
+    }
+
+    /// The reference's own rounding agrees with `half` on many patterns:
+    /// two independent implementations of the same IEEE rule.
+    #[test]
+    fn own_rounding_agrees_with_half() {
+        use half::f16;
+        let mut x = 0x1234_5678u32;
+        let mut pats: Vec<u32> = (0..=255u32)
+            .flat_map(|e| {
+                [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xfff, 0x1000, 0x7f_ffff]
+                    .map(move |m| (e << 23) | m)
+            })
+            .flat_map(|v| [v, v | 0x8000_0000])
+            .collect();
+        for _ in 0..300_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            pats.push(x);
+        }
+        for p in pats {
+            let v = f32::from_bits(p);
+            let b: bf16 = round_to(v);
+            let h: f16 = round_to(v);
+            if v.is_nan() {
+                assert!(b.is_nan() && h.is_nan(), "{p:#x}");
+                continue;
+            }
+            assert_eq!(b.to_bits(), bf16::from_f32(v).to_bits(), "bf16 {p:#x}");
+            assert_eq!(h.to_bits(), f16::from_f32(v).to_bits(), "f16 {p:#x}");
+        }
+        for b in 0..=u16::MAX {
+            let (x, y) = (bf16::from_bits(b), f16::from_bits(b));
+            if !x.is_nan() {
+                assert_eq!(value_of(&x).to_bits(), x.to_f32().to_bits(), "bf16 {b:#x}");
+            }
+            if !y.is_nan() {
+                assert_eq!(value_of(&y).to_bits(), y.to_f32().to_bits(), "f16 {b:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn reference_keeps_the_sign_of_zero_and_the_rank_order() {
+        let z = vec![vec![-0.0f32; 4]; 3];
+        assert!(reference(&z)
+            .iter()
+            .all(|v| v.to_bits() == (-0.0f32).to_bits()));
+        let m = vec![vec![-0.0f32], vec![0.0f32]];
+        assert_eq!(reference(&m)[0].to_bits(), 0.0f32.to_bits());
+        // (1e8 + 1) - 1e8 = 0 in f32; (1e8 - 1e8) + 1 = 1.
+        assert_eq!(reference(&[vec![1e8f32], vec![1.0], vec![-1e8]])[0], 0.0);
+        assert_eq!(reference(&[vec![1e8f32], vec![-1e8], vec![1.0]])[0], 1.0);
+        let inf = reference(&[vec![f32::INFINITY], vec![f32::NEG_INFINITY]]);
+        assert!(inf[0].is_nan());
+    }
+
+    #[test]
+    fn edge_inputs_hold_every_edge() {
+        let n = 4096;
+        let a = input_edges::<bf16>(3, 1, 0, n);
+        assert_eq!(digest(&a), digest(&input_edges::<bf16>(3, 1, 0, n)));
+        assert!(a.iter().any(|v| v.is_nan()));
+        assert!(a.iter().any(|v| v.to_bits() == 0x8000));
+        assert!(a.iter().any(|v| v.is_infinite()));
+        let e = expected_edges::<bf16>(3, 1, 3, n);
+        assert!(e.iter().any(|v| v.to_bits() == 0x8000), "-0.0 survives");
+        assert!(e.iter().any(|v| v.is_nan()));
+        assert!(e.iter().any(|v| v.is_infinite()), "overflow to inf");
     }
 
     #[test]

@@ -132,6 +132,10 @@ fn child() -> ExitCode {
     let cases: &[(&str, Case)] = &[
         ("every dtype and length, bit for bit", correctness),
         ("in place", in_place),
+        (
+            "edge values: -0.0, NaN, Inf, subnormals, overflow",
+            edge_values,
+        ),
         ("burst of mixed sizes and dtypes", burst),
         ("two instances side by side", two_instances),
         ("one rank configured differently", config_mismatch),
@@ -213,6 +217,20 @@ fn checked<T: Element>(
 ) -> Result<(), String> {
     let input = verify::input::<T>(SEED, call, ctx.rank, count);
     let want = verify::expected::<T>(SEED, call, ctx.n, count);
+    check_call(ctx, arx, call, input, want, in_place)
+}
+
+/// One call on given inputs, checked against `want` (from the independent
+/// reference in `arx::verify`) and across ranks.
+fn check_call<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    call: u64,
+    input: Vec<T>,
+    want: Vec<T>,
+    in_place: bool,
+) -> Result<(), String> {
+    let count = input.len();
     let mut out = vec![T::from_f32(0.0); count];
     let r = if in_place {
         out.copy_from_slice(&input);
@@ -224,14 +242,14 @@ fn checked<T: Element>(
     r.map_err(|e| format!("call {call} ({count} x {:?}): {e}", T::DTYPE))?;
     let wrong = verify::count_wrong(&out, &want);
     if wrong != 0 {
-        let i = (0..count)
-            .find(|&i| bytemuck::bytes_of(&out[i]) != bytemuck::bytes_of(&want[i]))
-            .unwrap_or(0);
+        let i = verify::first_wrong(&out, &want).unwrap_or(0);
         return Err(format!(
-            "call {call} ({count} x {:?}): {wrong} wrong; first at {i}: got {} want {}",
+            "call {call} ({count} x {:?}): {wrong} wrong; first at {i}: got {:?} ({:?}) want {:?} ({:?})",
             T::DTYPE,
-            out[i].to_f32(),
-            want[i].to_f32()
+            verify::value_of(&out[i]),
+            bytemuck::bytes_of(&out[i]),
+            verify::value_of(&want[i]),
+            bytemuck::bytes_of(&want[i]),
         ));
     }
     same_everywhere(ctx, verify::digest(&out))
@@ -291,6 +309,36 @@ fn in_place(ctx: &Ctx) -> Result<(), String> {
         checked::<f32>(ctx, &mut arx, c + 2, count, true)?;
     }
     Ok(())
+}
+
+/// −0.0 on every rank must stay −0.0 (the sum is `((p0 + p1) + …)`, not
+/// `((0 + p0) + p1) …`), and NaN, ±Inf, subnormals and overflow follow
+/// IEEE arithmetic in rank order.
+fn edge_values(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    for (i, count) in [1usize, 16, 1000, 4097].into_iter().enumerate() {
+        let c = 500 + 3 * i as u64;
+        let e = |c| verify::input_edges::<bf16>(SEED, c, ctx.rank, count);
+        check_call(
+            ctx,
+            &mut arx,
+            c,
+            e(c),
+            verify::expected_edges(SEED, c, ctx.n, count),
+            false,
+        )?;
+        let e = verify::input_edges::<f16>(SEED, c + 1, ctx.rank, count);
+        let w = verify::expected_edges(SEED, c + 1, ctx.n, count);
+        check_call(ctx, &mut arx, c + 1, e, w, i % 2 == 1)?;
+        let e = verify::input_edges::<f32>(SEED, c + 2, ctx.rank, count);
+        let w = verify::expected_edges(SEED, c + 2, ctx.n, count);
+        check_call(ctx, &mut arx, c + 2, e, w, false)?;
+    }
+    // Every rank passes −0.0 everywhere.
+    let z = vec![bf16::from_bits(0x8000); 777];
+    check_call(ctx, &mut arx, 600, z.clone(), z, false)?;
+    let z = vec![-0.0f32; 333];
+    check_call(ctx, &mut arx, 601, z.clone(), z, true)
 }
 
 fn burst(ctx: &Ctx) -> Result<(), String> {

@@ -26,6 +26,7 @@
 //!   is still being read. The price is twice the staging bytes.
 
 use std::ffi::{c_void, CString};
+use std::mem::ManuallyDrop;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -33,6 +34,7 @@ use cudarc::driver::{result, sys, CudaContext};
 
 use crate::abi;
 use crate::config::Staging;
+use crate::device::order::Order;
 use crate::dtype::{describe_call, Dtype};
 use crate::error::{Error, Result};
 use crate::layout::{flag_call, Backing, Layout, Region};
@@ -325,13 +327,17 @@ pub(crate) fn alloc_region(ctx: &Arc<CudaContext>, len: usize) -> Result<Region>
 /// Everything the GPU side of one instance holds.
 pub(crate) struct GpuSide {
     ctx: Arc<CudaContext>,
-    module: Module,
     /// Device address of `arx_gpu_state_t`.
     state: sys::CUdeviceptr,
     /// Device address of the region.
     region_dev: u64,
     region: Arc<Region>,
-    _registration: Option<Registration>,
+    /// Dropped by hand in `Drop` (or kept for good, see there).
+    registration: ManuallyDrop<Option<Registration>>,
+    /// Dropped by hand in `Drop` (or kept for good, see there).
+    module: ManuallyDrop<Module>,
+    /// Orders this instance's launches across streams and graphs.
+    order: Order,
     layout: Layout,
     staging: Staging,
     max_blocks: u32,
@@ -433,14 +439,25 @@ impl GpuSide {
             "arx: GPU side on device {} ({arch}, {sms} SMs, up to {max_blocks} blocks of {THREADS}), staging {staging:?}",
             ctx.ordinal()
         );
+        let order = match Order::new() {
+            Ok(o) => o,
+            Err(e) => {
+                // SAFETY: freeing what we just allocated.
+                unsafe {
+                    let _ = result::free_sync(state);
+                }
+                return Err(e);
+            }
+        };
         Ok(GpuSide {
             ordinal: ctx.ordinal(),
             ctx,
-            module,
+            module: ManuallyDrop::new(module),
+            order,
             state,
             region_dev,
             region,
-            _registration: registration,
+            registration: ManuallyDrop::new(registration),
             layout,
             staging,
             max_blocks,
@@ -482,7 +499,7 @@ impl GpuSide {
     /// completes on the stream; `stream` must belong to that context.
     /// `dtype` INVALID launches a refusal (count 0, no memory touched).
     pub(crate) unsafe fn launch(
-        &self,
+        &mut self,
         input: u64,
         output: u64,
         count: usize,
@@ -495,6 +512,8 @@ impl GpuSide {
         let d = Dtype::from_code(dtype);
         let bytes = d.map_or(0, |d| d.size() * count);
         let ce = self.staging == Staging::CopyEngine;
+        // After the previous launch of this instance, whatever its stream.
+        let cap = self.order.before(stream)?;
         if ce && bytes > 0 {
             for parity in 0..2 {
                 let dst = self.region_dev + self.layout.send_offset(parity) as u64;
@@ -525,7 +544,8 @@ impl GpuSide {
             stream,
             &mut args,
         )
-        .map_err(cuda_err("cuLaunchKernel"))
+        .map_err(cuda_err("cuLaunchKernel"))?;
+        self.order.after(stream, cap)
     }
 
     /// Waits for everything queued in the context (bounded: every arx
@@ -632,11 +652,42 @@ impl Drop for GpuSide {
         if let Err(e) = self.synchronize() {
             log::warn!("arx: synchronize before teardown failed: {e}");
         }
+        if self.order.captured() {
+            // A CUDA graph holding this instance's launches may be replayed
+            // after the instance is gone (cudarc's graph launch is safe
+            // code). Keep everything such a replay touches -- the region,
+            // the device state, the module, the events -- and mark the state
+            // failed: a replay then stages nothing, publishes nothing and
+            // writes NaN to its output, instead of touching freed memory.
+            let status = std::mem::offset_of!(abi::arx_gpu_state_t, status) as u64;
+            // SAFETY: `state` holds an arx_gpu_state_t; no kernel runs now.
+            let marked = unsafe {
+                result::memcpy_htod_sync(self.state + status, &[abi::ARX_STATUS_ABORTED])
+            };
+            if let Err(e) = marked {
+                log::warn!("arx: could not mark the GPU state closed: {e}");
+            }
+            self.region.ctrl().abort().store(1, Ordering::Release);
+            self.order.leak();
+            std::mem::forget(Arc::clone(&self.region));
+            log::info!(
+                "arx: rank {}: launches of this instance were captured into CUDA graphs; keeping its {} bytes of mapped memory, device state and kernels so that a replay after drop fails cleanly (NaN output)",
+                self.layout.rank(),
+                self.region.len()
+            );
+            return;
+        }
         if self.ctx.bind_to_thread().is_ok() {
             // SAFETY: allocated in `new`, freed once; no kernel uses it now.
             unsafe {
                 let _ = result::free_sync(self.state);
             }
+        }
+        // SAFETY: dropped exactly once, here; nothing refers to them now
+        // (no launch was captured, and the context is synchronized).
+        unsafe {
+            ManuallyDrop::drop(&mut self.module);
+            ManuallyDrop::drop(&mut self.registration);
         }
     }
 }

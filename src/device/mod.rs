@@ -6,3 +6,4 @@
 
 pub(crate) mod gpu;
 pub(crate) mod host;
+pub(crate) mod order;
