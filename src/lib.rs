@@ -396,6 +396,11 @@ impl Arx {
             }
             None => Side::Host,
         };
+        // Test-only: every post late (fabric::delayed).
+        let fabric: Box<dyn Fabric> = match fabric::delayed::from_env() {
+            Some(d) => Box::new(fabric::delayed::Delayed::new(fabric, d)),
+            None => fabric,
+        };
         let fabric_name = fabric.name();
         let fabric_desc = fabric.describe();
         let proxy = boot.agree("proxy start", {

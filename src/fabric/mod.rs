@@ -8,6 +8,7 @@
 
 use crate::error::Result;
 
+pub(crate) mod delayed;
 pub(crate) mod shm;
 pub(crate) mod verbs;
 

@@ -1,0 +1,588 @@
+//! GPU tests of arx (a `harness = false` test).
+//!
+//! Run by `cargo test`, this program checks for a usable GPU first: without
+//! one it prints `SKIPPED` (not a pass; `scripts/test` says so) and exits 0.
+//! With one, it re-launches itself under `mpirun` for every rank count in
+//! `ARX_GPU_TEST_RANKS` (default `2,3`; several ranks on one GPU need MPS,
+//! which `scripts/gpu-check` starts), bounds each run's time and fails if any
+//! run fails. Every rank checks every result against the independent
+//! reference of `arx::verify`, outputs are poisoned before each call, and
+//! each case runs with both stagings (SM stores and copy engine).
+//!
+//! The cases are the GPU-side ways to get a silent wrong sum that were found
+//! by review: calls on two streams with no dependency, a graph replay next
+//! to an eager call, two calls on parallel branches of one graph,
+//! copy-engine staging right after a host call or right after a failed call
+//! while this rank's sends are still in flight (the test-only
+//! `ARX_TEST_POST_DELAY_US` makes every post late), −0.0 and the other edge
+//! values, and a graph replayed after its instance was dropped.
+
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arx::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use arx::cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use arx::{verify, Arx, DeviceKind, Element, Error, Staging};
+use half::{bf16, f16};
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+const SEED: u64 = 0x6e0_5eed;
+
+fn main() -> ExitCode {
+    if std::env::var_os("ARX_TEST_CHILD").is_some() {
+        child()
+    } else {
+        parent()
+    }
+}
+
+// ------------------------------------------------------------------ parent
+
+fn parent() -> ExitCode {
+    if let Err(e) = arx::gpu_available() {
+        println!("gpu test: SKIPPED (not passed): {e}");
+        return ExitCode::SUCCESS;
+    }
+    let ranks: Vec<usize> = std::env::var("ARX_GPU_TEST_RANKS")
+        .unwrap_or_else(|_| "2,3".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let limit = Duration::from_secs(600);
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let mut failed = Vec::new();
+    for &n in &ranks {
+        let start = Instant::now();
+        println!("gpu test: {n} ranks ...");
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"]);
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            cmd.arg("--allow-run-as-root");
+        }
+        cmd.args(["--mca", "btl", "self,vader,tcp"]);
+        for v in [
+            "CUDA_MPS_PIPE_DIRECTORY",
+            "CUDA_MPS_LOG_DIRECTORY",
+            "LD_LIBRARY_PATH",
+            "RUST_LOG",
+        ] {
+            if std::env::var_os(v).is_some() {
+                cmd.args(["-x", v]);
+            }
+        }
+        cmd.arg(&exe)
+            .env("ARX_TEST_CHILD", "1")
+            .stdin(Stdio::null());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("gpu test: cannot start mpirun ({e})");
+                return ExitCode::FAILURE;
+            }
+        };
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if start.elapsed() > limit => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => break None,
+            }
+        };
+        match status {
+            Some(s) if s.success() => {
+                println!("gpu test: {n} ranks passed in {:.1?}", start.elapsed())
+            }
+            other => {
+                println!("gpu test: {n} ranks FAILED ({other:?})");
+                failed.push(n);
+            }
+        }
+    }
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        println!("gpu test: failed for rank counts {failed:?}");
+        ExitCode::FAILURE
+    }
+}
+
+// ------------------------------------------------------------------ child
+
+struct Ctx<'a> {
+    world: &'a SimpleCommunicator,
+    rank: usize,
+    n: usize,
+}
+
+type R<T = ()> = Result<T, String>;
+type Case = fn(&Ctx, Staging) -> R;
+
+fn e<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
+    move |x| format!("{what}: {x}")
+}
+
+fn child() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let universe = mpi::initialize().expect("MPI initialises once");
+    let world = universe.world();
+    let ctx = Ctx {
+        world: &world,
+        rank: world.rank() as usize,
+        n: world.size() as usize,
+    };
+    let cases: &[(&str, Case)] = &[
+        (
+            "edge values (-0.0, NaN, Inf, subnormals), aligned and not",
+            edges,
+        ),
+        ("calls on two streams with no dependency", two_streams),
+        (
+            "graph replay on one stream, eager calls on another",
+            graph_and_eager,
+        ),
+        (
+            "two calls on parallel branches of one graph",
+            parallel_branches,
+        ),
+        (
+            "a GPU call right after a host call, posts late",
+            after_host_call,
+        ),
+        (
+            "calls queued behind a failed call, posts late",
+            after_failed_call,
+        ),
+        (
+            "a graph replayed after its instance was dropped",
+            replay_after_drop,
+        ),
+    ];
+    let mut all_ok = true;
+    for staging in [Staging::Sm, Staging::CopyEngine] {
+        for (name, case) in cases {
+            let t = Instant::now();
+            let local = case(&ctx, staging);
+            if let Err(e) = &local {
+                eprintln!("rank {}: case '{name}' ({staging:?}) FAILED: {e}", ctx.rank);
+            }
+            let mut failures = 0u32;
+            world.all_reduce_into(
+                &u32::from(local.is_err()),
+                &mut failures,
+                SystemOperation::sum(),
+            );
+            if ctx.rank == 0 {
+                let verdict = if failures == 0 {
+                    "ok".to_string()
+                } else {
+                    format!("FAILED on {failures} rank(s)")
+                };
+                println!(
+                    "  [{} ranks, {staging:?}] {name}: {verdict} ({:.2?})",
+                    ctx.n,
+                    t.elapsed()
+                );
+            }
+            all_ok &= failures == 0;
+            world.barrier();
+        }
+    }
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn build(ctx: &Ctx, staging: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
+    let arx = Arx::builder()
+        .device(DeviceKind::Gpu)
+        .staging(staging)
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(e("Arx::new"))?;
+    let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
+    // Cudarc's own cross-stream tracking would add waits of its own: off,
+    // so that only arx orders its calls here.
+    // SAFETY: no cudarc slice is shared between streams without the test
+    // synchronizing first.
+    unsafe { cuda.disable_event_tracking() };
+    let s = cuda.new_stream().map_err(e("new_stream"))?;
+    Ok((arx, s))
+}
+
+fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> R<CudaSlice<T>> {
+    s.clone_htod(v).map_err(e("clone_htod"))
+}
+
+fn poisoned<T: Element + DeviceRepr + ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    n: usize,
+) -> R<CudaSlice<T>> {
+    let mut h = vec![T::zeroed(); n];
+    verify::poison(&mut h);
+    up(s, &h)
+}
+
+fn down<T: DeviceRepr + Default + Clone>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> R<Vec<T>> {
+    let v = s.clone_dtoh(d).map_err(e("dtoh"))?;
+    s.synchronize().map_err(e("synchronize"))?;
+    Ok(v)
+}
+
+fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> R {
+    let wrong = verify::count_wrong(got, want);
+    if wrong == 0 {
+        return Ok(());
+    }
+    let i = verify::first_wrong(got, want).unwrap_or(0);
+    Err(format!(
+        "{what}: {wrong} of {} wrong; first at {i}: got {} want {}",
+        got.len(),
+        verify::value_of(&got[i]),
+        verify::value_of(&want[i])
+    ))
+}
+
+fn same_everywhere(ctx: &Ctx, d: u64) -> R {
+    let mut all = vec![0u64; ctx.n];
+    ctx.world.all_gather_into(&d, &mut all[..]);
+    if all.iter().all(|&x| x == d) {
+        Ok(())
+    } else {
+        Err(format!("result digests differ between ranks: {all:x?}"))
+    }
+}
+
+/// Rank `r`'s input for call `c` and every rank's expected sum.
+fn call_data<T: Element>(ctx: &Ctx, c: u64, n: usize) -> (Vec<T>, Vec<T>) {
+    (
+        verify::input::<T>(SEED, c, ctx.rank, n),
+        verify::expected::<T>(SEED, c, ctx.n, n),
+    )
+}
+
+// ------------------------------------------------------------------ cases
+
+fn edges_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    c: u64,
+    n: usize,
+) -> R {
+    let x = verify::input_edges::<T>(SEED, c, ctx.rank, n + 1);
+    let want = verify::expected_edges::<T>(SEED, c, ctx.n, n + 1);
+    // Aligned: the whole buffers.
+    let din = up(s, &x)?;
+    let mut dout = poisoned::<T>(s, n + 1)?;
+    arx.allreduce(&din, &mut dout, s).map_err(e("allreduce"))?;
+    let got = down(s, &dout)?;
+    arx.check().map_err(e("check"))?;
+    compare(
+        &format!("call {c} aligned {n}+1 x {:?}", T::DTYPE),
+        &got,
+        &want,
+    )?;
+    same_everywhere(ctx, verify::digest(&got))?;
+    // Unaligned: one element in (the kernel's scalar path), in place.
+    let mut buf = up(s, &x)?;
+    let (p, _g) = buf.device_ptr_mut(s);
+    let sz = std::mem::size_of::<T>() as u64;
+    // SAFETY: `p + sz` addresses `n` valid elements of `buf`, which lives
+    // until after the synchronization below.
+    unsafe { arx.allreduce_raw(p + sz, p + sz, n, T::DTYPE, s.cu_stream()) }
+        .map_err(e("allreduce_raw"))?;
+    drop(_g);
+    let got = down(s, &buf)?;
+    arx.check().map_err(e("check"))?;
+    // The unaligned call sums elements 1..=n of call c's inputs.
+    let want_u = verify::reference(
+        &(0..ctx.n)
+            .map(|r| verify::input_edges::<T>(SEED, c, r, n + 1)[1..].to_vec())
+            .collect::<Vec<_>>(),
+    );
+    compare(
+        &format!("call {c} unaligned in place {n} x {:?}", T::DTYPE),
+        &got[1..],
+        &want_u,
+    )?;
+    if verify::count_wrong(&got[..1], &x[..1]) != 0 {
+        return Err("the element before an unaligned call was written".into());
+    }
+    Ok(())
+}
+
+/// −0.0 on every rank stays −0.0; NaN, ±Inf, subnormals and overflow follow
+/// IEEE arithmetic in rank order.
+fn edges(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(10))?;
+    for (i, n) in [1usize, 8, 1000, 4097, 65_535].into_iter().enumerate() {
+        let c = 10 * i as u64;
+        edges_of::<bf16>(ctx, &mut arx, &s, c, n)?;
+        edges_of::<f16>(ctx, &mut arx, &s, c + 1, n)?;
+        edges_of::<f32>(ctx, &mut arx, &s, c + 2, n)?;
+    }
+    // Every element −0.0 on every rank.
+    let z = vec![bf16::from_bits(0x8000); 4096];
+    let din = up(&s, &z)?;
+    let mut dout = poisoned::<bf16>(&s, z.len())?;
+    arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+    let got = down(&s, &dout)?;
+    arx.check().map_err(e("check"))?;
+    compare("all -0.0", &got, &z)
+}
+
+/// Calls alternate between two streams with nothing ordering them; each
+/// call has its own buffers, all enqueued before any is checked.
+fn two_streams(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, a) = build(ctx, st, Duration::from_secs(10))?;
+    let b = arx
+        .cuda_context()
+        .ok_or("no context")?
+        .new_stream()
+        .map_err(e("new_stream"))?;
+    let n = arx.max_count::<f32>(); // 2^18 with the default slot
+    let calls = 16u64;
+    let mut bufs = Vec::new();
+    for c in 0..calls {
+        let (x, _) = call_data::<f32>(ctx, 100 + c, n);
+        let s = if c % 2 == 0 { &a } else { &b };
+        bufs.push((up(s, &x)?, poisoned::<f32>(s, n)?));
+    }
+    a.synchronize().map_err(e("sync"))?;
+    b.synchronize().map_err(e("sync"))?;
+    for (c, (din, dout)) in bufs.iter_mut().enumerate() {
+        let s = if c % 2 == 0 { &a } else { &b };
+        arx.allreduce(din, dout, s).map_err(e("allreduce"))?;
+    }
+    for (c, (_, dout)) in bufs.iter().enumerate() {
+        let s = if c % 2 == 0 { &a } else { &b };
+        let got = down(s, dout)?;
+        let (_, want) = call_data::<f32>(ctx, 100 + c as u64, n);
+        compare(
+            &format!("call {c} of 16 on alternating streams"),
+            &got,
+            &want,
+        )?;
+    }
+    arx.check().map_err(e("check"))
+}
+
+/// A captured call replayed on stream A while eager calls run on stream B.
+fn graph_and_eager(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, a) = build(ctx, st, Duration::from_secs(10))?;
+    let b = arx
+        .cuda_context()
+        .ok_or("no context")?
+        .new_stream()
+        .map_err(e("new_stream"))?;
+    let n = 1 << 17;
+    let mut gin = poisoned::<f32>(&a, n)?;
+    let mut gout = poisoned::<f32>(&a, n)?;
+    a.synchronize().map_err(e("sync"))?;
+    a.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = arx.allreduce(&gin, &mut gout, &a);
+    let g = a
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(e("allreduce under capture"))?;
+    let g = g.ok_or("empty graph")?;
+    for i in 0..8u64 {
+        let (xg, wg) = call_data::<f32>(ctx, 200 + 2 * i, n);
+        let (xe, we) = call_data::<f32>(ctx, 201 + 2 * i, n);
+        a.memcpy_htod(&xg, &mut gin).map_err(e("htod"))?;
+        let ein = up(&b, &xe)?;
+        let mut eout = poisoned::<f32>(&b, n)?;
+        a.synchronize().map_err(e("sync"))?;
+        b.synchronize().map_err(e("sync"))?;
+        // The same order on every rank: replay, then the eager call.
+        g.launch().map_err(e("graph launch"))?;
+        arx.allreduce(&ein, &mut eout, &b)
+            .map_err(e("eager allreduce"))?;
+        compare(&format!("replay {i}"), &down(&a, &gout)?, &wg)?;
+        compare(
+            &format!("eager call after replay {i}"),
+            &down(&b, &eout)?,
+            &we,
+        )?;
+        arx.check().map_err(e("check"))?;
+    }
+    Ok(())
+}
+
+/// One graph with two arx calls on forked streams (parallel branches).
+fn parallel_branches(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, a) = build(ctx, st, Duration::from_secs(10))?;
+    let n = 1 << 16;
+    let mut in1 = poisoned::<f32>(&a, n)?;
+    let mut in2 = poisoned::<f32>(&a, n)?;
+    let mut out1 = poisoned::<f32>(&a, n)?;
+    let mut out2 = poisoned::<f32>(&a, n)?;
+    a.synchronize().map_err(e("sync"))?;
+    a.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let captured = (|| {
+        let b = a.fork().map_err(e("fork"))?;
+        arx.allreduce(&in1, &mut out1, &a)
+            .map_err(e("allreduce 1"))?;
+        arx.allreduce(&in2, &mut out2, &b)
+            .map_err(e("allreduce 2"))?;
+        a.join(&b).map_err(e("join"))
+    })();
+    let g = a
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    captured?;
+    let g = g.ok_or("empty graph")?;
+    for i in 0..6u64 {
+        let (x1, w1) = call_data::<f32>(ctx, 300 + 2 * i, n);
+        let (x2, w2) = call_data::<f32>(ctx, 301 + 2 * i, n);
+        a.memcpy_htod(&x1, &mut in1).map_err(e("htod"))?;
+        a.memcpy_htod(&x2, &mut in2).map_err(e("htod"))?;
+        g.launch().map_err(e("graph launch"))?;
+        compare(&format!("replay {i}, branch 1"), &down(&a, &out1)?, &w1)?;
+        compare(&format!("replay {i}, branch 2"), &down(&a, &out2)?, &w2)?;
+        arx.check().map_err(e("check"))?;
+    }
+    Ok(())
+}
+
+/// Sets the test-only post delay for instances built inside `f`.
+fn with_post_delay<T>(us: u64, f: impl FnOnce() -> T) -> T {
+    std::env::set_var("ARX_TEST_POST_DELAY_US", us.to_string());
+    let r = f();
+    std::env::remove_var("ARX_TEST_POST_DELAY_US");
+    r
+}
+
+/// Rank 0 arrives late at a host call, so it returns (it has every peer's
+/// flag) before its own late post read its send slot; its next GPU call
+/// must not overwrite that slot first.
+fn after_host_call(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = with_post_delay(100_000, || build(ctx, st, Duration::from_secs(10)))?;
+    let n = 8192;
+    for i in 0..4u64 {
+        let (x, want) = call_data::<f32>(ctx, 400 + 2 * i, n);
+        let mut out = vec![0f32; n];
+        verify::poison(&mut out);
+        if ctx.rank == 0 {
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        arx.allreduce_host(&x, &mut out).map_err(e("host call"))?;
+        // Enqueued at once: with copy-engine staging its copies run now.
+        let (xg, wg) = call_data::<f32>(ctx, 401 + 2 * i, n);
+        let din = up(&s, &xg)?;
+        let mut dout = poisoned::<f32>(&s, n)?;
+        arx.allreduce(&din, &mut dout, &s).map_err(e("GPU call"))?;
+        compare(&format!("host call {i}"), &out, &want)?;
+        compare(
+            &format!("GPU call after host call {i}"),
+            &down(&s, &dout)?,
+            &wg,
+        )?;
+        arx.check().map_err(e("check"))?;
+    }
+    Ok(())
+}
+
+/// Rank 0's call times out (its peers come late) while its own post is
+/// still queued; its next call is already enqueued behind it. The peers,
+/// with a long timeout, complete the call with rank 0's data: that data must
+/// be the failed call's, not the next call's.
+fn after_failed_call(ctx: &Ctx, st: Staging) -> R {
+    let short = Duration::from_millis(250);
+    let t = if ctx.rank == 0 {
+        short
+    } else {
+        Duration::from_secs(10)
+    };
+    let (mut arx, s) = with_post_delay(300_000, || build(ctx, st, t))?;
+    let n = 4096;
+    // Call 1: everyone on time.
+    let (x, w) = call_data::<f32>(ctx, 500, n);
+    let din = up(&s, &x)?;
+    let mut dout = poisoned::<f32>(&s, n)?;
+    arx.allreduce(&din, &mut dout, &s).map_err(e("call 1"))?;
+    compare("call 1", &down(&s, &dout)?, &w)?;
+    arx.check().map_err(e("check after call 1"))?;
+    ctx.world.barrier();
+    let (x2, w2) = call_data::<f32>(ctx, 501, n);
+    let d2 = up(&s, &x2)?;
+    let mut o2 = poisoned::<f32>(&s, n)?;
+    s.synchronize().map_err(e("sync"))?;
+    if ctx.rank == 0 {
+        let (x3, _) = call_data::<f32>(ctx, 502, n);
+        let d3 = up(&s, &x3)?;
+        let mut o3 = poisoned::<f32>(&s, n)?;
+        s.synchronize().map_err(e("sync"))?;
+        arx.allreduce(&d2, &mut o2, &s).map_err(e("call 2"))?;
+        arx.allreduce(&d3, &mut o3, &s).map_err(e("call 3"))?;
+        match arx.check() {
+            Err(Error::Timeout { .. }) => {}
+            other => return Err(format!("rank 0: expected a timeout, got {other:?}")),
+        }
+        for (what, o) in [("call 2", &o2), ("call 3", &o3)] {
+            if !down(&s, o)?.iter().all(|v| v.is_nan()) {
+                return Err(format!("rank 0: {what} failed but its output is not NaN"));
+            }
+        }
+    } else {
+        std::thread::sleep(short * 3);
+        arx.allreduce(&d2, &mut o2, &s).map_err(e("call 2"))?;
+        let got = down(&s, &o2)?;
+        // Ok with the right sum, or an error (never Ok with a wrong sum).
+        if arx.check().is_ok() {
+            compare("call 2 (rank 0 failed after posting it)", &got, &w2)?;
+        }
+    }
+    Ok(())
+}
+
+/// A graph holding an instance's call is replayed after the instance was
+/// dropped: no fault, NaN output; a new instance then works.
+fn replay_after_drop(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(10))?;
+    let n = 2048;
+    let (x, w) = call_data::<bf16>(ctx, 600, n);
+    let din = up(&s, &x)?;
+    let mut dout = poisoned::<bf16>(&s, n)?;
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = arx.allreduce(&din, &mut dout, &s);
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(e("allreduce under capture"))?;
+    let g = g.ok_or("empty graph")?;
+    g.launch().map_err(e("graph launch"))?;
+    compare("replay before drop", &down(&s, &dout)?, &w)?;
+    arx.check().map_err(e("check"))?;
+    drop(arx);
+    s.memcpy_htod(&vec![bf16::from_f32(1.5); n], &mut dout)
+        .map_err(e("htod"))?;
+    g.launch().map_err(e("graph launch after drop"))?;
+    let got = down(&s, &dout)?;
+    if !got.iter().all(|v| v.is_nan()) {
+        return Err("a replay after drop did not write NaN".into());
+    }
+    drop(g);
+    // The GPU and MPI are still usable.
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(10))?;
+    let (x, w) = call_data::<bf16>(ctx, 601, n);
+    let din = up(&s, &x)?;
+    let mut dout = poisoned::<bf16>(&s, n)?;
+    arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+    compare("a new instance after the drop", &down(&s, &dout)?, &w)?;
+    arx.check().map_err(e("check"))
+}
