@@ -137,8 +137,9 @@ use mpi::topology::Communicator;
 pub use cudarc;
 
 pub use config::{
-    parse_bytes, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_SLOT_BYTES,
-    DEFAULT_TIMEOUT,
+    parse_bytes, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_INIT_TIMEOUT,
+    DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, MAX_GPU_BLOCKS, MAX_GPU_UNROLL, MAX_SPIN_HOT, MAX_TIMEOUT,
+    MIN_TIMEOUT,
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
@@ -178,9 +179,17 @@ impl Builder {
         self.o.slot_bytes = Some(b);
         self
     }
-    /// Bound on every wait (`ARX_TIMEOUT_MS`).
+    /// Bound on every wait of a call, of [`Arx::barrier`] and of the
+    /// collective close at drop (`ARX_TIMEOUT_MS`); 1 ms to 24 h, checked
+    /// by [`Builder::build`].
     pub fn timeout(mut self, t: Duration) -> Self {
         self.o.timeout = Some(t);
+        self
+    }
+    /// Bound on each collective step of start-up (`ARX_INIT_TIMEOUT_MS`);
+    /// 1 ms to 24 h, checked by [`Builder::build`].
+    pub fn init_timeout(mut self, t: Duration) -> Self {
+        self.o.init_timeout = Some(t);
         self
     }
     /// Stall duration after which the watchdog logs peers' flags (`ARX_STALL_WARN_MS`).
@@ -219,15 +228,25 @@ impl Builder {
         self
     }
 
-    /// Creates the instance: collective over `comm`, bounded by the timeout.
-    /// Every rank returns an error if any rank fails or disagrees.
+    /// Creates the instance: collective over `comm`, each step bounded by
+    /// the start-up timeout. Every rank returns an error if any rank fails
+    /// or disagrees; see the crate docs (Guarantees) for a timeout.
     pub fn build<C: Communicator>(self, comm: &C) -> Result<Arx> {
-        // A bad setting on one rank must fail every rank, not leave the
-        // others waiting: resolve, then bootstrap with a usable timeout.
+        // Before any MPI call (even MPI_Comm_size): outside MPI_Init ..
+        // MPI_Finalize, Open MPI aborts the process.
+        bootstrap::usable("MPI_Comm_idup")?;
+        // A bad setting on one rank must fail every rank at once, not leave
+        // the others waiting: every rank sends its settings or its refusal
+        // in the first collective, of one fixed shape.
         let cfg = Config::resolve(&self.o);
-        let timeout = cfg.as_ref().map(|c| c.timeout).unwrap_or(DEFAULT_TIMEOUT);
-        let boot = Bootstrap::new(comm, timeout)?;
-        let cfg = boot.agree("configuration", cfg)?;
+        let init_timeout = match &cfg {
+            Ok(c) => c.init_timeout,
+            Err(_) => Config::init_timeout_or_default(&self.o),
+        };
+        let record =
+            wire::Settings::local(comm.size() as usize, comm.rank() as usize, &cfg).encode();
+        let (boot, all) = Bootstrap::start(comm, init_timeout, &record)?;
+        let cfg = wire::agree_settings(cfg, &all)?;
         Arx::establish(boot, cfg)
     }
 }
@@ -284,30 +303,51 @@ impl Arx {
         Builder::default()
     }
 
-    fn establish(boot: Bootstrap, cfg: Config) -> Result<Self> {
+    fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Self> {
         let world = boot.world();
         let rank = boot.rank();
 
         // Device side. Auto takes the GPU only if every rank can, so that
         // all ranks run the same side (and a rank without a GPU does not
-        // fail a job that never asked for one).
+        // fail a job that never asked for one). The availability is
+        // exchanged whatever the setting, so that every rank runs the same
+        // collectives; the host side does not probe (no driver loading).
+        let probe = match cfg.device {
+            DeviceKind::Host => Err(Error::Unavailable {
+                what: "the GPU device side",
+                reason: "not probed (ARX_DEVICE=host)".into(),
+            }),
+            _ => device::gpu::device_count().map(|_| ()),
+        };
+        let avail = boot.all_gather_bytes(
+            "GPU availability",
+            &match &probe {
+                Ok(()) => vec![1],
+                Err(e) => [&[0u8][..], e.to_string().as_bytes()].concat(),
+            },
+        )?;
+        let missing = avail.iter().position(|b| b.first() != Some(&1));
+        let peer_text =
+            |r: usize| String::from_utf8_lossy(avail[r].get(1..).unwrap_or_default()).into_owned();
         let want_gpu = match cfg.device {
             DeviceKind::Host => false,
             DeviceKind::Gpu => {
-                boot.agree("GPU device side", device::gpu::device_count().map(|_| ()))?;
+                probe?;
+                if let Some(r) = missing {
+                    return Err(Error::PeerFailed {
+                        peer: r,
+                        reason: peer_text(r),
+                    });
+                }
                 true
             }
-            DeviceKind::Auto => {
-                let ok = match device::gpu::device_count() {
-                    Ok(_) => true,
-                    Err(e) => {
-                        log::debug!("arx: device side auto: host ({e})");
-                        false
-                    }
-                };
-                let all = boot.all_gather_bytes("GPU availability", &[u8::from(ok)])?;
-                all.iter().all(|b| b.first() == Some(&1))
-            }
+            DeviceKind::Auto => match missing {
+                None => true,
+                Some(r) => {
+                    log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r));
+                    false
+                }
+            },
         };
         let device_code = if want_gpu {
             DeviceKind::Gpu.code()
@@ -403,6 +443,7 @@ impl Arx {
             Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
         })?;
         boot.barrier("start-up barrier")?;
+        boot.set_call_timeout(cfg.timeout);
         log::info!(
             "arx: rank {rank}/{world} ready: device {}, fabric {fabric_name} ({fabric_desc}), {} bytes mapped",
             match &side {
@@ -465,7 +506,8 @@ impl Arx {
     }
 
     /// A barrier over the instance's private communicator, bounded by the
-    /// timeout (a rank that never arrives is an [`Error::Timeout`]).
+    /// call timeout (a rank that never arrives is an [`Error::Timeout`]).
+    /// After `MPI_Finalize` it returns [`Error::Mpi`] without calling MPI.
     pub fn barrier(&self) -> Result<()> {
         self.boot.barrier("user barrier")
     }

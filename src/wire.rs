@@ -1,9 +1,209 @@
-//! `PeerInfo`: what each rank tells every other rank at start-up, its byte
-//! encoding (little-endian, fixed layout, versioned) and its validation.
+//! What ranks tell each other at start-up, in two records, each with its
+//! byte encoding (little-endian, fixed layout, versioned) and validation:
+//!
+//! * [`Settings`], exchanged first, in one collective of fixed shape: the
+//!   settings every rank must share, or why this rank's settings were
+//!   refused. Everything start-up does afterwards (which collectives, in
+//!   which order) follows from these shared settings and from data every
+//!   rank receives alike, so every rank runs the same sequence.
+//! * [`PeerInfo`]: who each rank is (host, pid) once the settings agree.
 
 use crate::abi;
-use crate::config::FabricKind;
+use crate::config::{setting_name, Config, FabricKind};
 use crate::error::{Error, Result};
+
+/// Encoded size of a [`Settings`] record. Fixed for every version of arx:
+/// it is the first collective of start-up, so that a rank running another
+/// build is still named (by its magic or ABI version) instead of making
+/// the collective itself mismatch.
+pub const SETTINGS_BYTES: usize = 256;
+/// Where the refusal message starts, and how long it may be.
+const MESSAGE_AT: usize = 64;
+const MESSAGE_BYTES: usize = SETTINGS_BYTES - MESSAGE_AT;
+
+/// The settings a rank sends first, or its refusal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Settings {
+    magic: u32,
+    abi_version: u32,
+    world: u32,
+    rank: u32,
+    /// Why this rank's settings were refused (its own error, as text).
+    refused: Option<String>,
+    /// Setting codes that must be equal on every rank (zero when refused).
+    device: u8,
+    fabric: u8,
+    staging: u8,
+    slot_bytes: u64,
+    dtype_set: u32,
+}
+
+impl Settings {
+    /// This rank's record for `cfg` (or for its refusal).
+    pub(crate) fn local(world: usize, rank: usize, cfg: &Result<Config>) -> Self {
+        let mut s = Settings {
+            magic: abi::ARX_MAGIC,
+            abi_version: abi::ARX_ABI_VERSION,
+            world: world as u32,
+            rank: rank as u32,
+            refused: None,
+            device: 0,
+            fabric: 0,
+            staging: 0,
+            slot_bytes: 0,
+            dtype_set: DTYPE_SET,
+        };
+        match cfg {
+            Ok(c) => {
+                s.device = c.device.code();
+                s.fabric = c.fabric.code();
+                s.staging = c.staging.code();
+                s.slot_bytes = c.slot_bytes as u64;
+            }
+            Err(e) => s.refused = Some(e.to_string()),
+        }
+        s
+    }
+
+    /// Exactly [`SETTINGS_BYTES`] bytes.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(SETTINGS_BYTES);
+        b.extend_from_slice(&self.magic.to_le_bytes());
+        b.extend_from_slice(&self.abi_version.to_le_bytes());
+        b.extend_from_slice(&(SETTINGS_BYTES as u32).to_le_bytes());
+        b.extend_from_slice(&self.world.to_le_bytes());
+        b.extend_from_slice(&self.rank.to_le_bytes());
+        b.push(u8::from(self.refused.is_some()));
+        b.push(self.device);
+        b.push(self.fabric);
+        b.push(self.staging);
+        b.extend_from_slice(&self.slot_bytes.to_le_bytes());
+        b.extend_from_slice(&self.dtype_set.to_le_bytes());
+        let msg = self.refused.as_deref().unwrap_or("").as_bytes();
+        let n = msg.len().min(MESSAGE_BYTES);
+        b.extend_from_slice(&(n as u16).to_le_bytes());
+        b.resize(MESSAGE_AT, 0);
+        b.extend_from_slice(&msg[..n]);
+        b.resize(SETTINGS_BYTES, 0);
+        b
+    }
+
+    /// Decodes rank `rank`'s record, checking its framing against rank 0's
+    /// (`first`), so that every rank names the same odd rank.
+    fn decode(rank: usize, b: &[u8], first: &[u8]) -> Result<Self> {
+        let bad = |what: &'static str, theirs: String, ours: String| Error::Mismatch {
+            what,
+            rank,
+            ours,
+            theirs,
+        };
+        let u32_at =
+            |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        if b.len() != SETTINGS_BYTES || first.len() != SETTINGS_BYTES {
+            return Err(bad(
+                "settings record size (another arx build?)",
+                b.len().to_string(),
+                first.len().to_string(),
+            ));
+        }
+        for (what, at) in [
+            ("magic (not an arx peer?)", 0),
+            ("ABI version (another arx build?)", 4),
+            ("settings record size (another arx build?)", 8),
+        ] {
+            if u32_at(b, at) != u32_at(first, at) {
+                return Err(bad(
+                    what,
+                    u32_at(b, at).to_string(),
+                    u32_at(first, at).to_string(),
+                ));
+            }
+        }
+        let n = (u16::from_le_bytes([b[36], b[37]]) as usize).min(MESSAGE_BYTES);
+        Ok(Settings {
+            magic: u32_at(b, 0),
+            abi_version: u32_at(b, 4),
+            world: u32_at(b, 12),
+            rank: u32_at(b, 16),
+            refused: (b[20] != 0)
+                .then(|| String::from_utf8_lossy(&b[MESSAGE_AT..MESSAGE_AT + n]).into_owned()),
+            device: b[21],
+            fabric: b[22],
+            staging: b[23],
+            slot_bytes: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
+            dtype_set: u32_at(b, 32),
+        })
+    }
+}
+
+/// Decides the outcome of the settings exchange, identically on every rank
+/// (every rank holds the same `all`): this rank's own refusal, else the
+/// first rank that refused ([`Error::PeerFailed`]), else the first rank
+/// whose settings differ from rank 0's ([`Error::Mismatch`] naming the
+/// rank and the setting's variable), else `local`'s settings.
+pub(crate) fn agree_settings(local: Result<Config>, all: &[Vec<u8>]) -> Result<Config> {
+    let cfg = local?;
+    let first = all.first().map(Vec::as_slice).unwrap_or(&[]);
+    let recs = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| Settings::decode(r, b, first))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some((peer, reason)) = recs
+        .iter()
+        .enumerate()
+        .find_map(|(r, s)| s.refused.clone().map(|m| (r, m)))
+    {
+        return Err(Error::PeerFailed { peer, reason });
+    }
+    let r0 = &recs[0];
+    for (r, s) in recs.iter().enumerate() {
+        let bad = |what: &'static str, theirs: String, ours: String| Error::Mismatch {
+            what,
+            rank: r,
+            ours,
+            theirs,
+        };
+        if s.world as usize != all.len() {
+            return Err(bad(
+                "world size",
+                s.world.to_string(),
+                all.len().to_string(),
+            ));
+        }
+        if s.rank as usize != r {
+            return Err(bad("rank number", s.rank.to_string(), r.to_string()));
+        }
+        for (what, theirs, ours) in [
+            ("ARX_DEVICE", s.device, r0.device),
+            ("ARX_FABRIC", s.fabric, r0.fabric),
+            ("ARX_STAGING", s.staging, r0.staging),
+        ] {
+            if theirs != ours {
+                return Err(bad(
+                    what,
+                    setting_name(what, theirs),
+                    setting_name(what, ours),
+                ));
+            }
+        }
+        if s.slot_bytes != r0.slot_bytes {
+            return Err(bad(
+                "ARX_SLOT_BYTES",
+                s.slot_bytes.to_string(),
+                r0.slot_bytes.to_string(),
+            ));
+        }
+        if s.dtype_set != r0.dtype_set {
+            return Err(bad(
+                "dtype set (another arx build?)",
+                format!("{:#b}", s.dtype_set),
+                format!("{:#b}", r0.dtype_set),
+            ));
+        }
+    }
+    Ok(cfg)
+}
 
 /// Encoded size of a [`PeerInfo`].
 pub const PEER_INFO_BYTES: usize = 128;
