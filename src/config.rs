@@ -651,6 +651,143 @@ mod tests {
         }
     }
 
+    fn builder(o: Overrides) -> Result<Config> {
+        Config::resolve_with(&o, |_| None)
+    }
+
+    /// Expects a refusal naming `name` and showing `value`.
+    fn refused(r: Result<Config>, name: &str, value: &str) {
+        match r {
+            Err(Error::Config {
+                name: n, value: v, ..
+            }) => {
+                assert_eq!(n, name);
+                assert!(
+                    v.contains(value),
+                    "{name}: value shown as {v}, expected {value}"
+                );
+            }
+            other => panic!("{name}={value}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn builder_and_environment_share_the_ranges() {
+        for d in [
+            Duration::MAX,
+            Duration::ZERO,
+            Duration::from_micros(999),
+            MAX_TIMEOUT + Duration::from_nanos(1),
+        ] {
+            let shown = format!("{d:?}");
+            let o = |f: fn(&mut Overrides, Duration)| {
+                let mut o = Overrides::default();
+                f(&mut o, d);
+                o
+            };
+            refused(
+                builder(o(|o, d| o.timeout = Some(d))),
+                "Builder::timeout",
+                &shown,
+            );
+            refused(
+                builder(o(|o, d| o.init_timeout = Some(d))),
+                "Builder::init_timeout",
+                &shown,
+            );
+            refused(
+                builder(o(|o, d| o.stall_warn = Some(d))),
+                "Builder::stall_warn",
+                &shown,
+            );
+        }
+        for (k, v) in [
+            ("ARX_TIMEOUT_MS", "0"),
+            ("ARX_TIMEOUT_MS", "86400001"),
+            ("ARX_TIMEOUT_MS", "18446744073709551615"),
+            ("ARX_INIT_TIMEOUT_MS", "0"),
+            ("ARX_INIT_TIMEOUT_MS", "90000000"),
+            ("ARX_STALL_WARN_MS", "0"),
+            ("ARX_GPU_UNROLL", "0"),
+            ("ARX_GPU_UNROLL", "65"),
+            ("ARX_GPU_UNROLL", "16777216"),
+            ("ARX_GPU_BLOCKS", "0"),
+            ("ARX_GPU_BLOCKS", "1025"),
+            ("ARX_SPIN_HOT", "10000001"),
+            ("ARX_SLOT_BYTES", "0"),
+            ("ARX_SLOT_BYTES", "1G"),
+        ] {
+            refused(with(&[(k, v)]), k, v);
+        }
+        refused(
+            builder(Overrides {
+                slot_bytes: Some(0),
+                ..Default::default()
+            }),
+            "Builder::slot_bytes",
+            "0",
+        );
+        refused(
+            builder(Overrides {
+                devices: Some(vec![]),
+                ..Default::default()
+            }),
+            "Builder::devices",
+            "",
+        );
+        refused(
+            builder(Overrides {
+                devices: Some(vec!["a".into(), "b".into(), "c".into()]),
+                ..Default::default()
+            }),
+            "Builder::devices",
+            "a,b,c",
+        );
+    }
+
+    #[test]
+    fn range_bounds_are_accepted() {
+        let c = with(&[
+            ("ARX_TIMEOUT_MS", "86400000"),
+            ("ARX_INIT_TIMEOUT_MS", "1"),
+            ("ARX_STALL_WARN_MS", "1"),
+            ("ARX_GPU_UNROLL", "64"),
+            ("ARX_GPU_BLOCKS", "1024"),
+            ("ARX_SPIN_HOT", "10000000"),
+        ])
+        .unwrap();
+        assert_eq!(c.timeout, MAX_TIMEOUT);
+        assert_eq!(c.init_timeout, MIN_TIMEOUT);
+        assert_eq!(c.stall_warn, MIN_TIMEOUT);
+        assert_eq!((c.gpu_unroll, c.gpu_blocks), (Some(64), Some(1024)));
+        assert_eq!(c.spin_hot, Some(MAX_SPIN_HOT));
+        assert_eq!(with(&[("ARX_SPIN_HOT", "0")]).unwrap().spin_hot, Some(0));
+        let c = builder(Overrides {
+            timeout: Some(MIN_TIMEOUT),
+            init_timeout: Some(MAX_TIMEOUT),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!((c.timeout, c.init_timeout), (MIN_TIMEOUT, MAX_TIMEOUT));
+    }
+
+    #[test]
+    fn init_timeout_is_its_own_setting() {
+        let c = with(&[("ARX_TIMEOUT_MS", "1500")]).unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(1500));
+        assert_eq!(c.init_timeout, DEFAULT_INIT_TIMEOUT);
+        let c = with(&[("ARX_INIT_TIMEOUT_MS", "2500")]).unwrap();
+        assert_eq!(c.init_timeout, Duration::from_millis(2500));
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        let o = Overrides {
+            init_timeout: Some(Duration::from_secs(7)),
+            ..Default::default()
+        };
+        let c =
+            Config::resolve_with(&o, |k| (k == "ARX_INIT_TIMEOUT_MS").then(|| "9".into())).unwrap();
+        assert_eq!(c.init_timeout, Duration::from_secs(7));
+    }
+
     #[test]
     fn byte_sizes() {
         assert_eq!(parse_bytes("x", "4096").unwrap(), 4096);

@@ -466,6 +466,153 @@ mod tests {
         rejected(1, |p| p.fabric = FabricKind::Verbs, "fabric");
     }
 
+    fn settings(world: usize, f: impl Fn(usize, &mut Config)) -> Vec<Vec<u8>> {
+        (0..world)
+            .map(|r| {
+                let mut c = Config::resolve_with(&Default::default(), |_| None).unwrap();
+                f(r, &mut c);
+                Settings::local(world, r, &Ok(c)).encode()
+            })
+            .collect()
+    }
+
+    fn ok_config() -> Result<Config> {
+        Config::resolve_with(&Default::default(), |_| None)
+    }
+
+    #[test]
+    fn settings_record_has_one_size() {
+        let cfg = ok_config();
+        assert_eq!(Settings::local(3, 1, &cfg).encode().len(), SETTINGS_BYTES);
+        let refused = Err(Error::InvalidArgument("é".repeat(500)));
+        let b = Settings::local(3, 1, &refused).encode();
+        assert_eq!(b.len(), SETTINGS_BYTES);
+        let s = Settings::decode(1, &b, &b).unwrap();
+        assert!(s.refused.unwrap().starts_with("invalid argument: é"));
+    }
+
+    /// Every rank decides the same: the first odd rank, the variable's name,
+    /// both values.
+    #[test]
+    fn settings_mismatches_name_rank_and_variable() {
+        use crate::config::{DeviceKind, Staging};
+        let cases: Vec<(Vec<Vec<u8>>, &str, usize, &str, &str)> = vec![
+            (
+                settings(4, |r, c| {
+                    if r == 2 {
+                        c.device = DeviceKind::Gpu
+                    }
+                }),
+                "ARX_DEVICE",
+                2,
+                "auto",
+                "gpu",
+            ),
+            (
+                settings(3, |r, c| {
+                    if r >= 1 {
+                        c.device = DeviceKind::Host
+                    }
+                }),
+                "ARX_DEVICE",
+                1,
+                "auto",
+                "host",
+            ),
+            (
+                settings(3, |r, c| {
+                    if r == 1 {
+                        c.staging = Staging::CopyEngine
+                    }
+                }),
+                "ARX_STAGING",
+                1,
+                "sm",
+                "copy",
+            ),
+            (
+                settings(3, |r, c| {
+                    if r == 2 {
+                        c.fabric = FabricKind::Verbs
+                    }
+                }),
+                "ARX_FABRIC",
+                2,
+                "auto",
+                "verbs",
+            ),
+            (
+                settings(2, |r, c| {
+                    if r == 1 {
+                        c.slot_bytes = 4096
+                    }
+                }),
+                "ARX_SLOT_BYTES",
+                1,
+                "1048576",
+                "4096",
+            ),
+        ];
+        for (all, what, rank, ours, theirs) in cases {
+            match agree_settings(ok_config(), &all) {
+                Err(Error::Mismatch {
+                    what: w,
+                    rank: r,
+                    ours: o,
+                    theirs: t,
+                }) => assert_eq!((w, r, o.as_str(), t.as_str()), (what, rank, ours, theirs)),
+                other => panic!("{what}: expected a mismatch, got {other:?}"),
+            }
+        }
+        assert!(agree_settings(ok_config(), &settings(3, |_, _| {})).is_ok());
+    }
+
+    #[test]
+    fn a_refusal_is_named_on_every_other_rank() {
+        let mut all = settings(4, |_, _| {});
+        let e = Error::Config {
+            name: "ARX_SLOT_BYTES",
+            value: "12Q".into(),
+            reason: "r".into(),
+        };
+        all[2] = Settings::local(4, 2, &Err(e.clone())).encode();
+        all[3] = Settings::local(4, 3, &Err(e.clone())).encode();
+        match agree_settings(ok_config(), &all) {
+            Err(Error::PeerFailed { peer: 2, reason }) => assert!(reason.contains("12Q")),
+            other => panic!("expected rank 2 named, got {other:?}"),
+        }
+        // The refusing ranks return their own error.
+        assert!(matches!(
+            agree_settings(Err(e), &all),
+            Err(Error::Config {
+                name: "ARX_SLOT_BYTES",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn another_build_is_named() {
+        let mut all = settings(3, |_, _| {});
+        all[1][4] ^= 1; // ABI version
+        assert!(matches!(
+            agree_settings(ok_config(), &all),
+            Err(Error::Mismatch { rank: 1, what, .. }) if what.starts_with("ABI version")
+        ));
+        let mut all = settings(3, |_, _| {});
+        all[2][0] ^= 1;
+        assert!(matches!(
+            agree_settings(ok_config(), &all),
+            Err(Error::Mismatch { rank: 2, what, .. }) if what.starts_with("magic")
+        ));
+        let mut all = settings(3, |_, _| {});
+        all[1].truncate(100);
+        assert!(matches!(
+            agree_settings(ok_config(), &all),
+            Err(Error::Mismatch { rank: 1, .. })
+        ));
+    }
+
     #[test]
     fn short_and_foreign_buffers_are_rejected() {
         let mut v = all(|_, _| {});
