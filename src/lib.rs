@@ -49,25 +49,82 @@
 //!
 //! | setting | choices (`ARX_*` variable) | default |
 //! |---|---|---|
-//! | device side | `host`, `gpu` (`ARX_DEVICE`) | gpu when every rank has a usable CUDA device, else host |
+//! | device side ★ | `host`, `gpu`, `auto` (`ARX_DEVICE`) | auto: gpu when every rank has a usable CUDA device, else host |
+//! | fabric ★ | `shm`, `verbs`, `auto` (`ARX_FABRIC`) | auto: shm when all ranks share a node, else verbs |
+//! | slot size ★ | 1 byte to 256 MiB − 1, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`); rounded up to a page | 1 MiB |
+//! | GPU staging ★ | `sm`, `copy` (`ARX_STAGING`) | sm |
+//! | call timeout | 1 ms to 24 h, in ms (`ARX_TIMEOUT_MS`): every wait of a call, [`Arx::barrier`], the collective close at drop | 10 s |
+//! | start-up timeout | 1 ms to 24 h, in ms (`ARX_INIT_TIMEOUT_MS`): each collective step of start-up | 60 s |
+//! | stall warning | 1 ms to 24 h, in ms (`ARX_STALL_WARN_MS`) | 2 s, or half the call timeout if less |
+//! | spin | `adaptive`, `hot` (`ARX_SPIN`); hot polls before yielding, 0 to 10⁷ (`ARX_SPIN_HOT`, no builder method) | adaptive; polls chosen from ranks per core |
 //! | CUDA device | ordinal (`ARX_CUDA_DEVICE`) | node-local rank modulo visible devices |
-//! | GPU staging | `sm`, `copy` (`ARX_STAGING`) | sm |
-//! | fabric | `shm`, `verbs` (`ARX_FABRIC`) | shm when all ranks share a node, else verbs |
-//! | slot size | bytes, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`) | 1 MiB |
-//! | timeout | milliseconds (`ARX_TIMEOUT_MS`) | 10 s |
+//! | RDMA devices, GID index, proxy CPU | `ARX_DEVICES`, `ARX_GID_INDEX`, `ARX_PROXY_CPU` | chosen by topology |
+//! | GPU launch shape | most blocks, 1 to 1024 (`ARX_GPU_BLOCKS`); 16-byte vectors per thread per chunk, 1 to 64 (`ARX_GPU_UNROLL`); no builder methods | chosen by size and ranks per GPU |
 //!
-//! Every option is also a [`Builder`] method; a builder setting wins over the
-//! environment. Each variable that takes effect is logged once.
+//! A [`Builder`] method sets an option instead of its variable (the
+//! builder wins). Both are checked against the same ranges, in one place: a
+//! value out of range is an [`Error::Config`] naming the builder method
+//! (`Builder::timeout`) or the variable (`ARX_TIMEOUT_MS`). Each variable
+//! that takes effect is logged once.
+//!
+//! ★ must be the same on every rank (the values as set, `auto` included).
+//! The ranks exchange these first, in one collective of fixed shape; a
+//! difference fails every rank at once with an [`Error::Mismatch`] naming
+//! the variable and the first rank that differs from rank 0. A setting
+//! that one rank refuses (say `ARX_SLOT_BYTES=12Q`) fails that rank with
+//! its [`Error::Config`] and every other rank at once with
+//! [`Error::PeerFailed`] naming it. The other settings are per rank and may
+//! differ.
 //!
 //! ## Guarantees
 //!
 //! * Never panics, aborts or exits; every failure is an [`Error`] that names
-//!   the peer, lane, device or call.
-//! * Every wait is bounded by the timeout; a rank that stops calling makes
-//!   the others return [`Error::Timeout`].
-//! * Ranks that disagree (configuration, or a call's length or dtype) all get
-//!   an error; none computes a wrong sum.
+//!   the peer, lane, device, setting or call. This includes calls made
+//!   before MPI is initialised or after it is finalized: [`Arx::new`],
+//!   [`Builder::build`] and [`Arx::barrier`] then return [`Error::Mpi`]
+//!   without calling MPI, and dropping an instance makes no MPI call.
+//! * Every wait is bounded: each collective step of start-up by the start-up
+//!   timeout, everything after start-up by the call timeout. A rank that
+//!   stops calling makes the others return [`Error::Timeout`].
+//! * Ranks that disagree (settings, or a call's length or dtype) all get
+//!   an error; none computes a wrong sum. Whatever the settings, every rank
+//!   runs the same sequence of start-up collectives.
 //! * Memory is fixed at construction; no allocation on the call path.
+//!
+//! ### Start-up, timeouts and retrying
+//!
+//! * arx makes exactly one collective call on a communicator you pass: in
+//!   the first [`Arx::new`] on it on each rank, an `MPI_Comm_idup` into
+//!   arx's own channel, which is cached on your communicator (an MPI
+//!   attribute; a duplicate of your communicator gets its own channel) and
+//!   kept until your communicator is freed or MPI is finalized. Every
+//!   instance on that communicator is made from the channel. So your own
+//!   collectives on the communicator stay in step whatever a start-up does,
+//!   a timeout included. (Until every rank has entered [`Arx::new`] on it
+//!   once, the others' `MPI_Comm_idup` is pending, and collectives you start
+//!   meanwhile are ordered after it, as for any collective.)
+//! * A start-up that times out before every rank has sent its settings
+//!   (a rank arrived late, or not yet) leaves its MPI request posted; the
+//!   [`Error::Timeout`] says so, and the next [`Arx::new`] on the same
+//!   communicator on that rank completes that request (bounded again)
+//!   instead of starting another. Calling [`Arx::new`] again on every rank —
+//!   at once, or after agreeing on the failure with a collective of your
+//!   own — therefore retries, and the late rank's start-up meets the
+//!   others'. The retry must keep the settings marked ★ (it fails
+//!   otherwise); the others may change.
+//! * A start-up that times out after the settings were exchanged (a rank
+//!   stopped during set-up) is abandoned; the [`Error::Timeout`] says so,
+//!   and the next [`Arx::new`] starts a fresh one. Ranks that timed out at
+//!   different steps may need one more attempt before they are back in
+//!   step; every attempt is bounded.
+//! * No bounded protocol can make every rank reach the same outcome: a
+//!   rank that reaches the last step of start-up just as the others'
+//!   timeout runs out returns `Ok` while they return a timeout, and its
+//!   instance fails its first call with [`Error::Timeout`]. A program that
+//!   retries after a start-up failure should agree on the outcome first
+//!   (for example, an all-reduce of a success flag on its communicator),
+//!   drop the instances that were created, and call [`Arx::new`] on every
+//!   rank.
 //!
 //! ## GPU buffers
 //!
@@ -95,7 +152,9 @@
 //! Calls take `&mut self` and must be made in the same order on every rank,
 //! like MPI collectives. An [`Arx`] holds an MPI communicator and is
 //! therefore not `Send`: keep it on the thread that uses MPI. Calls make no
-//! MPI calls (only construction, [`Arx::barrier`] and drop do).
+//! MPI calls (only construction, [`Arx::barrier`] and drop do; drop makes a
+//! collective close, a barrier bounded by the call timeout, with the Verbs
+//! fabric only).
 
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -293,7 +352,9 @@ pub struct Description {
 
 impl Arx {
     /// Creates an instance with settings from the environment and defaults.
-    /// Collective over `comm` (which is duplicated inside).
+    /// Collective over `comm`; arx's only collective on `comm` itself is
+    /// the `MPI_Comm_idup` of the first instance on it (see the crate docs,
+    /// Guarantees).
     pub fn new<C: Communicator>(comm: &C) -> Result<Self> {
         Builder::default().build(comm)
     }

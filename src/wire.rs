@@ -491,79 +491,72 @@ mod tests {
         assert!(s.refused.unwrap().starts_with("invalid argument: é"));
     }
 
+    /// Expects the decision to name `what`, `rank` and both values.
+    fn mismatch(all: &[Vec<u8>], what: &str, rank: usize, ours: &str, theirs: &str) {
+        match agree_settings(ok_config(), all) {
+            Err(Error::Mismatch {
+                what: w,
+                rank: r,
+                ours: o,
+                theirs: t,
+            }) => assert_eq!((w, r, o.as_str(), t.as_str()), (what, rank, ours, theirs)),
+            other => panic!("{what}: expected a mismatch, got {other:?}"),
+        }
+    }
+
     /// Every rank decides the same: the first odd rank, the variable's name,
     /// both values.
     #[test]
     fn settings_mismatches_name_rank_and_variable() {
         use crate::config::{DeviceKind, Staging};
-        let cases: Vec<(Vec<Vec<u8>>, &str, usize, &str, &str)> = vec![
-            (
-                settings(4, |r, c| {
-                    if r == 2 {
-                        c.device = DeviceKind::Gpu
-                    }
-                }),
-                "ARX_DEVICE",
-                2,
-                "auto",
-                "gpu",
-            ),
-            (
-                settings(3, |r, c| {
-                    if r >= 1 {
-                        c.device = DeviceKind::Host
-                    }
-                }),
-                "ARX_DEVICE",
-                1,
-                "auto",
-                "host",
-            ),
-            (
-                settings(3, |r, c| {
-                    if r == 1 {
-                        c.staging = Staging::CopyEngine
-                    }
-                }),
-                "ARX_STAGING",
-                1,
-                "sm",
-                "copy",
-            ),
-            (
-                settings(3, |r, c| {
-                    if r == 2 {
-                        c.fabric = FabricKind::Verbs
-                    }
-                }),
-                "ARX_FABRIC",
-                2,
-                "auto",
-                "verbs",
-            ),
-            (
-                settings(2, |r, c| {
-                    if r == 1 {
-                        c.slot_bytes = 4096
-                    }
-                }),
-                "ARX_SLOT_BYTES",
-                1,
-                "1048576",
-                "4096",
-            ),
-        ];
-        for (all, what, rank, ours, theirs) in cases {
-            match agree_settings(ok_config(), &all) {
-                Err(Error::Mismatch {
-                    what: w,
-                    rank: r,
-                    ours: o,
-                    theirs: t,
-                }) => assert_eq!((w, r, o.as_str(), t.as_str()), (what, rank, ours, theirs)),
-                other => panic!("{what}: expected a mismatch, got {other:?}"),
+        let odd = |rank: usize, f: fn(&mut Config)| {
+            settings(4, move |r, c| {
+                if r == rank {
+                    f(c)
+                }
+            })
+        };
+        mismatch(
+            &odd(2, |c| c.device = DeviceKind::Gpu),
+            "ARX_DEVICE",
+            2,
+            "auto",
+            "gpu",
+        );
+        mismatch(
+            &odd(1, |c| c.device = DeviceKind::Host),
+            "ARX_DEVICE",
+            1,
+            "auto",
+            "host",
+        );
+        let later = settings(3, |r, c| {
+            if r >= 1 {
+                c.device = DeviceKind::Host
             }
-        }
+        });
+        mismatch(&later, "ARX_DEVICE", 1, "auto", "host");
+        mismatch(
+            &odd(1, |c| c.staging = Staging::CopyEngine),
+            "ARX_STAGING",
+            1,
+            "sm",
+            "copy",
+        );
+        mismatch(
+            &odd(3, |c| c.fabric = FabricKind::Verbs),
+            "ARX_FABRIC",
+            3,
+            "auto",
+            "verbs",
+        );
+        mismatch(
+            &odd(1, |c| c.slot_bytes = 4096),
+            "ARX_SLOT_BYTES",
+            1,
+            "1048576",
+            "4096",
+        );
         assert!(agree_settings(ok_config(), &settings(3, |_, _| {})).is_ok());
     }
 
