@@ -95,10 +95,10 @@
 //!
 //! * arx makes exactly one collective call on a communicator you pass: in
 //!   the first [`Arx::new`] on it on each rank, an `MPI_Comm_idup` into
-//!   arx's own channel, which is cached on your communicator (an MPI
-//!   attribute; a duplicate of your communicator gets its own channel) and
-//!   kept until your communicator is freed or MPI is finalized. Every
-//!   instance on that communicator is made from the channel. So your own
+//!   arx's own channel, a communicator cached on yours (as an MPI
+//!   attribute, which a duplicate of yours does not inherit: it gets its
+//!   own channel) and never freed before `MPI_Finalize`. Every instance on
+//!   your communicator is made from its channel. So your own
 //!   collectives on the communicator stay in step whatever a start-up does,
 //!   a timeout included. (Until every rank has entered [`Arx::new`] on it
 //!   once, the others' `MPI_Comm_idup` is pending, and collectives you start
@@ -110,8 +110,9 @@
 //!   instead of starting another. Calling [`Arx::new`] again on every rank —
 //!   at once, or after agreeing on the failure with a collective of your
 //!   own — therefore retries, and the late rank's start-up meets the
-//!   others'. The retry must keep the settings marked ★ (it fails
-//!   otherwise); the others may change.
+//!   others'. Where the earlier start-up had already sent its settings,
+//!   the retry must keep the settings marked ★ (it fails otherwise); the
+//!   others may change.
 //! * A start-up that times out after the settings were exchanged (a rank
 //!   stopped during set-up) is abandoned; the [`Error::Timeout`] says so,
 //!   and the next [`Arx::new`] starts a fresh one. Ranks that timed out at
