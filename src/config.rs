@@ -99,10 +99,56 @@ impl DeviceKind {
     }
 }
 
+/// The spelling of a setting's value in its `ARX_*` variable, for messages
+/// that compare ranks' settings.
+pub(crate) fn setting_name(what: &str, code: u8) -> String {
+    let names: &[&str] = match what {
+        "ARX_DEVICE" => &["auto", "host", "gpu"],
+        "ARX_FABRIC" => &["auto", "shm", "verbs"],
+        "ARX_STAGING" => &["sm", "copy"],
+        _ => &[],
+    };
+    names
+        .get(code as usize)
+        .map_or_else(|| format!("code {code}"), |n| n.to_string())
+}
+
+impl Staging {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Staging::Sm => 0,
+            Staging::CopyEngine => 1,
+        }
+    }
+}
+
 /// Default slot size: the largest partial of one call (1 MiB).
 pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
-/// Default bound on any wait (bootstrap, a call's flags, shutdown).
+/// Default bound on every wait of a call, [`crate::Arx::barrier`] and the
+/// collective close at drop (`ARX_TIMEOUT_MS`).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default bound on each collective step of start-up (`ARX_INIT_TIMEOUT_MS`):
+/// generous, because setting up RDMA devices, CUDA contexts and kernels can
+/// take seconds on a loaded or virtual machine.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Shortest timeout accepted (for every timeout-like setting).
+pub const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+/// Longest timeout accepted (for every timeout-like setting): one day. Far
+/// above any useful bound, and far below what would overflow a deadline
+/// (`Instant + timeout`) or the kernel's 64-bit nanosecond deadline.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+/// Most blocks of one GPU launch (`ARX_GPU_BLOCKS`): more than any GPU has
+/// SMs (H200: 132, GB10: 48); the default is at most 16.
+pub const MAX_GPU_BLOCKS: u32 = 1024;
+/// Most 16-byte vectors per thread per chunk (`ARX_GPU_UNROLL`): 64 × 16 B ×
+/// 256 threads is a 256 KiB chunk per block, a quarter of the default slot;
+/// larger chunks only leave a call to fewer blocks (the default is 2). The
+/// bound also keeps the kernel's 32-bit chunk arithmetic far from overflow.
+pub const MAX_GPU_UNROLL: u32 = 64;
+/// Most hot polls before a CPU wait yields (`ARX_SPIN_HOT`): ten million
+/// polls is already about a second of a core; beyond that, hot spinning is
+/// no longer a latency choice (use `ARX_SPIN=hot` to never yield).
+pub const MAX_SPIN_HOT: u32 = 10_000_000;
 
 /// Resolved settings of one instance.
 #[derive(Debug, Clone)]
@@ -113,8 +159,13 @@ pub struct Config {
     pub fabric: FabricKind,
     /// Capacity of one partial in bytes (`ARX_SLOT_BYTES`).
     pub slot_bytes: usize,
-    /// Bound on every wait (`ARX_TIMEOUT_MS`).
+    /// Bound on every wait of a call, of [`crate::Arx::barrier`] and of the
+    /// collective close at drop (`ARX_TIMEOUT_MS`).
     pub timeout: Duration,
+    /// Bound on each collective step of start-up: the duplicate of the
+    /// communicator, the exchange of settings and descriptions, the fabric's
+    /// connection and the start-up barrier (`ARX_INIT_TIMEOUT_MS`).
+    pub init_timeout: Duration,
     /// After this long without progress the proxy logs every peer's flags
     /// (`ARX_STALL_WARN_MS`).
     pub stall_warn: Duration,
@@ -151,6 +202,7 @@ pub(crate) struct Overrides {
     pub fabric: Option<FabricKind>,
     pub slot_bytes: Option<usize>,
     pub timeout: Option<Duration>,
+    pub init_timeout: Option<Duration>,
     pub stall_warn: Option<Duration>,
     pub spin: Option<SpinMode>,
     pub staging: Option<Staging>,
@@ -200,6 +252,77 @@ fn number<T: FromStr>(name: &'static str) -> impl Fn(&str) -> Result<T> {
             reason: "expected a non-negative integer".into(),
         })
     }
+}
+
+fn milliseconds(name: &'static str) -> impl Fn(&str) -> Result<Duration> {
+    move |s: &str| number::<u64>(name)(s).map(Duration::from_millis)
+}
+
+// The one place where every knob's range is checked. The builder's value
+// and the environment's go through the same function, each under its own
+// name (`Builder::timeout` or `ARX_TIMEOUT_MS`), so that neither accepts
+// what the other refuses.
+
+/// A timeout-like duration: between [`MIN_TIMEOUT`] and [`MAX_TIMEOUT`].
+fn check_duration(name: &'static str, d: Duration) -> Result<Duration> {
+    if (MIN_TIMEOUT..=MAX_TIMEOUT).contains(&d) {
+        Ok(d)
+    } else {
+        Err(Error::Config {
+            name,
+            value: format!("{d:?}"),
+            reason: format!("must be between {MIN_TIMEOUT:?} and {MAX_TIMEOUT:?} (24 h)"),
+        })
+    }
+}
+
+/// An integer knob within `[min, max]`.
+fn check_range<T: Copy + PartialOrd + std::fmt::Display>(
+    name: &'static str,
+    v: T,
+    min: T,
+    max: T,
+) -> Result<T> {
+    if v >= min && v <= max {
+        Ok(v)
+    } else {
+        Err(Error::Config {
+            name,
+            value: v.to_string(),
+            reason: format!("must be between {min} and {max}"),
+        })
+    }
+}
+
+/// A knob's value from the builder (checked under `builder_name`) or else
+/// from its variable (parsed and checked under `var`).
+fn knob<T, F: Fn(&str) -> Option<String>>(
+    get: &F,
+    explicit: Option<T>,
+    builder_name: &'static str,
+    var: &'static str,
+    parse: impl Fn(&str) -> Result<T>,
+    check: impl Fn(&'static str, T) -> Result<T>,
+) -> Result<Option<T>> {
+    match explicit {
+        Some(v) => check(builder_name, v).map(Some),
+        None => match env_var(get, var, parse)? {
+            // A refused variable is shown as it was written.
+            Some(v) => check(var, v).map(Some).map_err(|e| match e {
+                Error::Config { name, reason, .. } => Error::Config {
+                    name,
+                    value: get(var).unwrap_or_default().trim().to_string(),
+                    reason,
+                },
+                e => e,
+            }),
+            None => Ok(None),
+        },
+    }
+}
+
+fn any<T>(_: &'static str, v: T) -> Result<T> {
+    Ok(v)
 }
 
 /// Parses a byte size with an optional K/M/G suffix (powers of 1024).
@@ -266,120 +389,143 @@ impl Config {
         o: &Overrides,
         get: F,
     ) -> Result<Self> {
-        let ms = |name: &'static str| {
-            move |s: &str| {
-                number::<u64>(name)(s).and_then(|v| {
-                    if v == 0 {
-                        Err(Error::Config {
-                            name,
-                            value: s.into(),
-                            reason: "must be at least 1 ms".into(),
-                        })
-                    } else {
-                        Ok(Duration::from_millis(v))
-                    }
-                })
-            }
-        };
-        let device = pick(
+        let device = knob(
+            &get,
             o.device,
-            env_var(&get, "ARX_DEVICE", str::parse)?,
-            DeviceKind::Auto,
-        );
-        let fabric = pick(
+            "Builder::device",
+            "ARX_DEVICE",
+            str::parse,
+            any,
+        )?
+        .unwrap_or(DeviceKind::Auto);
+        let fabric = knob(
+            &get,
             o.fabric,
-            env_var(&get, "ARX_FABRIC", str::parse)?,
-            FabricKind::Auto,
-        );
-        let slot_bytes = pick(
-            o.slot_bytes,
-            env_var(&get, "ARX_SLOT_BYTES", |s| parse_bytes("ARX_SLOT_BYTES", s))?,
-            DEFAULT_SLOT_BYTES,
-        );
-        let timeout = pick(
-            o.timeout,
-            env_var(&get, "ARX_TIMEOUT_MS", ms("ARX_TIMEOUT_MS"))?,
-            DEFAULT_TIMEOUT,
-        );
-        let stall_warn = pick(
-            o.stall_warn,
-            env_var(&get, "ARX_STALL_WARN_MS", ms("ARX_STALL_WARN_MS"))?,
-            Duration::from_secs(2).min(timeout / 2),
-        );
-        let spin = pick(
-            o.spin,
-            env_var(&get, "ARX_SPIN", str::parse)?,
-            SpinMode::Adaptive,
-        );
-        let spin_hot = env_var(&get, "ARX_SPIN_HOT", number::<u32>("ARX_SPIN_HOT"))?;
-        let staging = pick(
-            o.staging,
-            env_var(&get, "ARX_STAGING", str::parse)?,
-            Staging::Sm,
-        );
-        let devices = match o.devices.clone() {
-            Some(d) => Some(d),
-            None => {
-                env_var(&get, "ARX_DEVICES", |s| {
-                    let v: Vec<String> = s
-                        .split(',')
-                        .map(|d| d.trim().to_string())
-                        .filter(|d| !d.is_empty())
-                        .collect();
-                    if v.is_empty() || v.len() > 2 {
-                        Err(Error::Config {
-                        name: "ARX_DEVICES",
-                        value: s.into(),
-                        reason: "expected one or two RDMA device names, e.g. rocep1s0f0,roceP2p1s0f0".into(),
-                    })
-                    } else {
-                        Ok(v)
-                    }
-                })?
-            }
-        };
-        let gid_index = match o.gid_index {
-            Some(g) => Some(g),
-            None => env_var(&get, "ARX_GID_INDEX", number::<u32>("ARX_GID_INDEX"))?,
-        };
-        let proxy_cpu = match o.proxy_cpu {
-            Some(c) => Some(c),
-            None => env_var(&get, "ARX_PROXY_CPU", number::<usize>("ARX_PROXY_CPU"))?,
-        };
-        let cuda_device = match o.cuda_device {
-            Some(c) => Some(c),
-            None => env_var(&get, "ARX_CUDA_DEVICE", number::<usize>("ARX_CUDA_DEVICE"))?,
-        };
-        let positive = |name: &'static str| {
-            move |s: &str| {
-                number::<u32>(name)(s).and_then(|v| {
-                    if v == 0 {
-                        Err(Error::Config {
-                            name,
-                            value: s.into(),
-                            reason: "must be at least 1".into(),
-                        })
-                    } else {
-                        Ok(v)
-                    }
-                })
-            }
-        };
-        let gpu_blocks = env_var(&get, "ARX_GPU_BLOCKS", positive("ARX_GPU_BLOCKS"))?;
-        let gpu_unroll = env_var(&get, "ARX_GPU_UNROLL", positive("ARX_GPU_UNROLL"))?;
+            "Builder::fabric",
+            "ARX_FABRIC",
+            str::parse,
+            any,
+        )?
+        .unwrap_or(FabricKind::Auto);
         let max_slot = crate::abi::ARX_MAX_COUNT as usize;
-        if slot_bytes == 0 || slot_bytes > max_slot {
-            return Err(Error::Config {
-                name: "slot size",
-                value: slot_bytes.to_string(),
-                reason: format!("must be between 1 and {max_slot} bytes"),
-            });
-        }
+        let slot_bytes = knob(
+            &get,
+            o.slot_bytes,
+            "Builder::slot_bytes",
+            "ARX_SLOT_BYTES",
+            |s| parse_bytes("ARX_SLOT_BYTES", s),
+            |n, v| check_range(n, v, 1, max_slot),
+        )?
+        .unwrap_or(DEFAULT_SLOT_BYTES);
+        let timeout = knob(
+            &get,
+            o.timeout,
+            "Builder::timeout",
+            "ARX_TIMEOUT_MS",
+            milliseconds("ARX_TIMEOUT_MS"),
+            check_duration,
+        )?
+        .unwrap_or(DEFAULT_TIMEOUT);
+        let init_timeout = Self::init_timeout_with(o, &get)?;
+        let stall_warn = knob(
+            &get,
+            o.stall_warn,
+            "Builder::stall_warn",
+            "ARX_STALL_WARN_MS",
+            milliseconds("ARX_STALL_WARN_MS"),
+            check_duration,
+        )?
+        .unwrap_or(Duration::from_secs(2).min(timeout / 2));
+        let spin = knob(&get, o.spin, "Builder::spin", "ARX_SPIN", str::parse, any)?
+            .unwrap_or(SpinMode::Adaptive);
+        let spin_hot = knob(
+            &get,
+            None,
+            "",
+            "ARX_SPIN_HOT",
+            number::<u32>("ARX_SPIN_HOT"),
+            |n, v| check_range(n, v, 0, MAX_SPIN_HOT),
+        )?;
+        let staging = knob(
+            &get,
+            o.staging,
+            "Builder::staging",
+            "ARX_STAGING",
+            str::parse,
+            any,
+        )?
+        .unwrap_or(Staging::Sm);
+        let devices = knob(
+            &get,
+            o.devices.clone(),
+            "Builder::devices",
+            "ARX_DEVICES",
+            |s| {
+                Ok(s.split(',')
+                    .map(|d| d.trim().to_string())
+                    .filter(|d| !d.is_empty())
+                    .collect())
+            },
+            |name, v: Vec<String>| {
+                if v.is_empty() || v.len() > 2 || v.iter().any(|d| d.trim().is_empty()) {
+                    Err(Error::Config {
+                        name,
+                        value: v.join(","),
+                        reason:
+                            "expected one or two RDMA device names, e.g. rocep1s0f0,roceP2p1s0f0"
+                                .into(),
+                    })
+                } else {
+                    Ok(v)
+                }
+            },
+        )?;
+        let gid_index = knob(
+            &get,
+            o.gid_index,
+            "Builder::gid_index",
+            "ARX_GID_INDEX",
+            number::<u32>("ARX_GID_INDEX"),
+            any,
+        )?;
+        let proxy_cpu = knob(
+            &get,
+            o.proxy_cpu,
+            "Builder::proxy_cpu",
+            "ARX_PROXY_CPU",
+            number::<usize>("ARX_PROXY_CPU"),
+            any,
+        )?;
+        let cuda_device = knob(
+            &get,
+            o.cuda_device,
+            "Builder::cuda_device",
+            "ARX_CUDA_DEVICE",
+            number::<usize>("ARX_CUDA_DEVICE"),
+            any,
+        )?;
+        let gpu_blocks = knob(
+            &get,
+            None,
+            "",
+            "ARX_GPU_BLOCKS",
+            number::<u32>("ARX_GPU_BLOCKS"),
+            |n, v| check_range(n, v, 1, MAX_GPU_BLOCKS),
+        )?;
+        let gpu_unroll = knob(
+            &get,
+            None,
+            "",
+            "ARX_GPU_UNROLL",
+            number::<u32>("ARX_GPU_UNROLL"),
+            |n, v| check_range(n, v, 1, MAX_GPU_UNROLL),
+        )?;
         Ok(Config {
             device,
             fabric,
             slot_bytes,
             timeout,
+            init_timeout,
             stall_warn,
             spin,
             spin_hot,
@@ -392,10 +538,29 @@ impl Config {
             gpu_unroll,
         })
     }
-}
 
-fn pick<T>(explicit: Option<T>, env: Option<T>, default: T) -> T {
-    explicit.or(env).unwrap_or(default)
+    fn init_timeout_with<F: Fn(&str) -> Option<String>>(
+        o: &Overrides,
+        get: &F,
+    ) -> Result<Duration> {
+        Ok(knob(
+            get,
+            o.init_timeout,
+            "Builder::init_timeout",
+            "ARX_INIT_TIMEOUT_MS",
+            milliseconds("ARX_INIT_TIMEOUT_MS"),
+            check_duration,
+        )?
+        .unwrap_or(DEFAULT_INIT_TIMEOUT))
+    }
+
+    /// The start-up bound alone, for a rank whose other settings were
+    /// refused: it still takes part in the exchange of settings (so that
+    /// its peers fail at once, naming it), bounded by its own start-up
+    /// timeout if that one is valid, else by the default.
+    pub(crate) fn init_timeout_or_default(o: &Overrides) -> Duration {
+        Self::init_timeout_with(o, &|k: &str| std::env::var(k).ok()).unwrap_or(DEFAULT_INIT_TIMEOUT)
+    }
 }
 
 #[cfg(test)]
@@ -484,6 +649,143 @@ mod tests {
             let msg = e.to_string();
             assert!(msg.contains(v), "{k}={v}: {msg}");
         }
+    }
+
+    fn builder(o: Overrides) -> Result<Config> {
+        Config::resolve_with(&o, |_| None)
+    }
+
+    /// Expects a refusal naming `name` and showing `value`.
+    fn refused(r: Result<Config>, name: &str, value: &str) {
+        match r {
+            Err(Error::Config {
+                name: n, value: v, ..
+            }) => {
+                assert_eq!(n, name);
+                assert!(
+                    v.contains(value),
+                    "{name}: value shown as {v}, expected {value}"
+                );
+            }
+            other => panic!("{name}={value}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn builder_and_environment_share_the_ranges() {
+        for d in [
+            Duration::MAX,
+            Duration::ZERO,
+            Duration::from_micros(999),
+            MAX_TIMEOUT + Duration::from_nanos(1),
+        ] {
+            let shown = format!("{d:?}");
+            let o = |f: fn(&mut Overrides, Duration)| {
+                let mut o = Overrides::default();
+                f(&mut o, d);
+                o
+            };
+            refused(
+                builder(o(|o, d| o.timeout = Some(d))),
+                "Builder::timeout",
+                &shown,
+            );
+            refused(
+                builder(o(|o, d| o.init_timeout = Some(d))),
+                "Builder::init_timeout",
+                &shown,
+            );
+            refused(
+                builder(o(|o, d| o.stall_warn = Some(d))),
+                "Builder::stall_warn",
+                &shown,
+            );
+        }
+        for (k, v) in [
+            ("ARX_TIMEOUT_MS", "0"),
+            ("ARX_TIMEOUT_MS", "86400001"),
+            ("ARX_TIMEOUT_MS", "18446744073709551615"),
+            ("ARX_INIT_TIMEOUT_MS", "0"),
+            ("ARX_INIT_TIMEOUT_MS", "90000000"),
+            ("ARX_STALL_WARN_MS", "0"),
+            ("ARX_GPU_UNROLL", "0"),
+            ("ARX_GPU_UNROLL", "65"),
+            ("ARX_GPU_UNROLL", "16777216"),
+            ("ARX_GPU_BLOCKS", "0"),
+            ("ARX_GPU_BLOCKS", "1025"),
+            ("ARX_SPIN_HOT", "10000001"),
+            ("ARX_SLOT_BYTES", "0"),
+            ("ARX_SLOT_BYTES", "1G"),
+        ] {
+            refused(with(&[(k, v)]), k, v);
+        }
+        refused(
+            builder(Overrides {
+                slot_bytes: Some(0),
+                ..Default::default()
+            }),
+            "Builder::slot_bytes",
+            "0",
+        );
+        refused(
+            builder(Overrides {
+                devices: Some(vec![]),
+                ..Default::default()
+            }),
+            "Builder::devices",
+            "",
+        );
+        refused(
+            builder(Overrides {
+                devices: Some(vec!["a".into(), "b".into(), "c".into()]),
+                ..Default::default()
+            }),
+            "Builder::devices",
+            "a,b,c",
+        );
+    }
+
+    #[test]
+    fn range_bounds_are_accepted() {
+        let c = with(&[
+            ("ARX_TIMEOUT_MS", "86400000"),
+            ("ARX_INIT_TIMEOUT_MS", "1"),
+            ("ARX_STALL_WARN_MS", "1"),
+            ("ARX_GPU_UNROLL", "64"),
+            ("ARX_GPU_BLOCKS", "1024"),
+            ("ARX_SPIN_HOT", "10000000"),
+        ])
+        .unwrap();
+        assert_eq!(c.timeout, MAX_TIMEOUT);
+        assert_eq!(c.init_timeout, MIN_TIMEOUT);
+        assert_eq!(c.stall_warn, MIN_TIMEOUT);
+        assert_eq!((c.gpu_unroll, c.gpu_blocks), (Some(64), Some(1024)));
+        assert_eq!(c.spin_hot, Some(MAX_SPIN_HOT));
+        assert_eq!(with(&[("ARX_SPIN_HOT", "0")]).unwrap().spin_hot, Some(0));
+        let c = builder(Overrides {
+            timeout: Some(MIN_TIMEOUT),
+            init_timeout: Some(MAX_TIMEOUT),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!((c.timeout, c.init_timeout), (MIN_TIMEOUT, MAX_TIMEOUT));
+    }
+
+    #[test]
+    fn init_timeout_is_its_own_setting() {
+        let c = with(&[("ARX_TIMEOUT_MS", "1500")]).unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(1500));
+        assert_eq!(c.init_timeout, DEFAULT_INIT_TIMEOUT);
+        let c = with(&[("ARX_INIT_TIMEOUT_MS", "2500")]).unwrap();
+        assert_eq!(c.init_timeout, Duration::from_millis(2500));
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        let o = Overrides {
+            init_timeout: Some(Duration::from_secs(7)),
+            ..Default::default()
+        };
+        let c =
+            Config::resolve_with(&o, |k| (k == "ARX_INIT_TIMEOUT_MS").then(|| "9".into())).unwrap();
+        assert_eq!(c.init_timeout, Duration::from_secs(7));
     }
 
     #[test]

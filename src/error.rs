@@ -28,7 +28,9 @@ pub enum Error {
     /// the same way). Every rank gets this error, naming the same rank.
     #[error("ranks disagree on {what}: rank {rank} has {theirs}, rank 0 has {ours}")]
     Mismatch {
-        /// What differs (ABI version, slot size, world size, dtype set, fabric, ...).
+        /// What differs: a setting's variable (`ARX_DEVICE`, `ARX_FABRIC`,
+        /// `ARX_STAGING`, `ARX_SLOT_BYTES`, whether set by variable or
+        /// builder), or the ABI version, world size, dtype set, node, ...
         what: &'static str,
         /// The first rank whose value differs from rank 0's.
         rank: usize,

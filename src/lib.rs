@@ -49,25 +49,83 @@
 //!
 //! | setting | choices (`ARX_*` variable) | default |
 //! |---|---|---|
-//! | device side | `host`, `gpu` (`ARX_DEVICE`) | gpu when every rank has a usable CUDA device, else host |
+//! | device side ★ | `host`, `gpu`, `auto` (`ARX_DEVICE`) | auto: gpu when every rank has a usable CUDA device, else host |
+//! | fabric ★ | `shm`, `verbs`, `auto` (`ARX_FABRIC`) | auto: shm when all ranks share a node, else verbs |
+//! | slot size ★ | 1 byte to 256 MiB − 1, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`); rounded up to a page | 1 MiB |
+//! | GPU staging ★ | `sm`, `copy` (`ARX_STAGING`) | sm |
+//! | call timeout | 1 ms to 24 h, in ms (`ARX_TIMEOUT_MS`): every wait of a call, [`Arx::barrier`], the collective close at drop | 10 s |
+//! | start-up timeout | 1 ms to 24 h, in ms (`ARX_INIT_TIMEOUT_MS`): each collective step of start-up | 60 s |
+//! | stall warning | 1 ms to 24 h, in ms (`ARX_STALL_WARN_MS`) | 2 s, or half the call timeout if less |
+//! | spin | `adaptive`, `hot` (`ARX_SPIN`); hot polls before yielding, 0 to 10⁷ (`ARX_SPIN_HOT`, no builder method) | adaptive; polls chosen from ranks per core |
 //! | CUDA device | ordinal (`ARX_CUDA_DEVICE`) | node-local rank modulo visible devices |
-//! | GPU staging | `sm`, `copy` (`ARX_STAGING`) | sm |
-//! | fabric | `shm`, `verbs` (`ARX_FABRIC`) | shm when all ranks share a node, else verbs |
-//! | slot size | bytes, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`) | 1 MiB |
-//! | timeout | milliseconds (`ARX_TIMEOUT_MS`) | 10 s |
+//! | RDMA devices, GID index, proxy CPU | `ARX_DEVICES`, `ARX_GID_INDEX`, `ARX_PROXY_CPU` | chosen by topology |
+//! | GPU launch shape | most blocks, 1 to 1024 (`ARX_GPU_BLOCKS`); 16-byte vectors per thread per chunk, 1 to 64 (`ARX_GPU_UNROLL`); no builder methods | chosen by size and ranks per GPU |
 //!
-//! Every option is also a [`Builder`] method; a builder setting wins over the
-//! environment. Each variable that takes effect is logged once.
+//! A [`Builder`] method sets an option instead of its variable (the
+//! builder wins). Both are checked against the same ranges, in one place: a
+//! value out of range is an [`Error::Config`] naming the builder method
+//! (`Builder::timeout`) or the variable (`ARX_TIMEOUT_MS`). Each variable
+//! that takes effect is logged once.
+//!
+//! ★ must be the same on every rank (the values as set, `auto` included).
+//! The ranks exchange these first, in one collective of fixed shape; a
+//! difference fails every rank at once with an [`Error::Mismatch`] naming
+//! the variable and the first rank that differs from rank 0. A setting
+//! that one rank refuses (say `ARX_SLOT_BYTES=12Q`) fails that rank with
+//! its [`Error::Config`] and every other rank at once with
+//! [`Error::PeerFailed`] naming it. The other settings are per rank and may
+//! differ.
 //!
 //! ## Guarantees
 //!
 //! * Never panics, aborts or exits; every failure is an [`Error`] that names
-//!   the peer, lane, device or call.
-//! * Every wait is bounded by the timeout; a rank that stops calling makes
-//!   the others return [`Error::Timeout`].
-//! * Ranks that disagree (configuration, or a call's length or dtype) all get
-//!   an error; none computes a wrong sum.
+//!   the peer, lane, device, setting or call. This includes calls made
+//!   before MPI is initialised or after it is finalized: [`Arx::new`],
+//!   [`Builder::build`] and [`Arx::barrier`] then return [`Error::Mpi`]
+//!   without calling MPI, and dropping an instance makes no MPI call.
+//! * Every wait is bounded: each collective step of start-up by the start-up
+//!   timeout, everything after start-up by the call timeout. A rank that
+//!   stops calling makes the others return [`Error::Timeout`].
+//! * Ranks that disagree (settings, or a call's length or dtype) all get
+//!   an error; none computes a wrong sum. Whatever the settings, every rank
+//!   runs the same sequence of start-up collectives.
 //! * Memory is fixed at construction; no allocation on the call path.
+//!
+//! ### Start-up, timeouts and retrying
+//!
+//! * arx makes exactly one collective call on a communicator you pass: in
+//!   the first [`Arx::new`] on it on each rank, an `MPI_Comm_idup` into
+//!   arx's own channel, a communicator cached on yours (as an MPI
+//!   attribute, which a duplicate of yours does not inherit: it gets its
+//!   own channel) and never freed before `MPI_Finalize`. Every instance on
+//!   your communicator is made from its channel. So your own
+//!   collectives on the communicator stay in step whatever a start-up does,
+//!   a timeout included. (Until every rank has entered [`Arx::new`] on it
+//!   once, the others' `MPI_Comm_idup` is pending, and collectives you start
+//!   meanwhile are ordered after it, as for any collective.)
+//! * A start-up that times out before every rank has sent its settings
+//!   (a rank arrived late, or not yet) leaves its MPI request posted; the
+//!   [`Error::Timeout`] says so, and the next [`Arx::new`] on the same
+//!   communicator on that rank completes that request (bounded again)
+//!   instead of starting another. Calling [`Arx::new`] again on every rank —
+//!   at once, or after agreeing on the failure with a collective of your
+//!   own — therefore retries, and the late rank's start-up meets the
+//!   others'. Where the earlier start-up had already sent its settings,
+//!   the retry must keep the settings marked ★ (it fails otherwise); the
+//!   others may change.
+//! * A start-up that times out after the settings were exchanged (a rank
+//!   stopped during set-up) is abandoned; the [`Error::Timeout`] says so,
+//!   and the next [`Arx::new`] starts a fresh one. Ranks that timed out at
+//!   different steps may need one more attempt before they are back in
+//!   step; every attempt is bounded.
+//! * No bounded protocol can make every rank reach the same outcome: a
+//!   rank that reaches the last step of start-up just as the others'
+//!   timeout runs out returns `Ok` while they return a timeout, and its
+//!   instance fails its first call with [`Error::Timeout`]. A program that
+//!   retries after a start-up failure should agree on the outcome first
+//!   (for example, an all-reduce of a success flag on its communicator),
+//!   drop the instances that were created, and call [`Arx::new`] on every
+//!   rank.
 //!
 //! ## GPU buffers
 //!
@@ -95,7 +153,9 @@
 //! Calls take `&mut self` and must be made in the same order on every rank,
 //! like MPI collectives. An [`Arx`] holds an MPI communicator and is
 //! therefore not `Send`: keep it on the thread that uses MPI. Calls make no
-//! MPI calls (only construction, [`Arx::barrier`] and drop do).
+//! MPI calls (only construction, [`Arx::barrier`] and drop do; drop makes a
+//! collective close, a barrier bounded by the call timeout, with the Verbs
+//! fabric only).
 
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -137,8 +197,9 @@ use mpi::topology::Communicator;
 pub use cudarc;
 
 pub use config::{
-    parse_bytes, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_SLOT_BYTES,
-    DEFAULT_TIMEOUT,
+    parse_bytes, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_INIT_TIMEOUT,
+    DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, MAX_GPU_BLOCKS, MAX_GPU_UNROLL, MAX_SPIN_HOT, MAX_TIMEOUT,
+    MIN_TIMEOUT,
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
@@ -178,9 +239,17 @@ impl Builder {
         self.o.slot_bytes = Some(b);
         self
     }
-    /// Bound on every wait (`ARX_TIMEOUT_MS`).
+    /// Bound on every wait of a call, of [`Arx::barrier`] and of the
+    /// collective close at drop (`ARX_TIMEOUT_MS`); 1 ms to 24 h, checked
+    /// by [`Builder::build`].
     pub fn timeout(mut self, t: Duration) -> Self {
         self.o.timeout = Some(t);
+        self
+    }
+    /// Bound on each collective step of start-up (`ARX_INIT_TIMEOUT_MS`);
+    /// 1 ms to 24 h, checked by [`Builder::build`].
+    pub fn init_timeout(mut self, t: Duration) -> Self {
+        self.o.init_timeout = Some(t);
         self
     }
     /// Stall duration after which the watchdog logs peers' flags (`ARX_STALL_WARN_MS`).
@@ -219,15 +288,25 @@ impl Builder {
         self
     }
 
-    /// Creates the instance: collective over `comm`, bounded by the timeout.
-    /// Every rank returns an error if any rank fails or disagrees.
+    /// Creates the instance: collective over `comm`, each step bounded by
+    /// the start-up timeout. Every rank returns an error if any rank fails
+    /// or disagrees; see the crate docs (Guarantees) for a timeout.
     pub fn build<C: Communicator>(self, comm: &C) -> Result<Arx> {
-        // A bad setting on one rank must fail every rank, not leave the
-        // others waiting: resolve, then bootstrap with a usable timeout.
+        // Before any MPI call (even MPI_Comm_size): outside MPI_Init ..
+        // MPI_Finalize, Open MPI aborts the process.
+        bootstrap::usable("MPI_Comm_idup")?;
+        // A bad setting on one rank must fail every rank at once, not leave
+        // the others waiting: every rank sends its settings or its refusal
+        // in the first collective, of one fixed shape.
         let cfg = Config::resolve(&self.o);
-        let timeout = cfg.as_ref().map(|c| c.timeout).unwrap_or(DEFAULT_TIMEOUT);
-        let boot = Bootstrap::new(comm, timeout)?;
-        let cfg = boot.agree("configuration", cfg)?;
+        let init_timeout = match &cfg {
+            Ok(c) => c.init_timeout,
+            Err(_) => Config::init_timeout_or_default(&self.o),
+        };
+        let record =
+            wire::Settings::local(comm.size() as usize, comm.rank() as usize, &cfg).encode();
+        let (boot, all) = Bootstrap::start(comm, init_timeout, &record)?;
+        let cfg = wire::agree_settings(cfg, &all)?;
         Arx::establish(boot, cfg)
     }
 }
@@ -274,7 +353,9 @@ pub struct Description {
 
 impl Arx {
     /// Creates an instance with settings from the environment and defaults.
-    /// Collective over `comm` (which is duplicated inside).
+    /// Collective over `comm`; arx's only collective on `comm` itself is
+    /// the `MPI_Comm_idup` of the first instance on it (see the crate docs,
+    /// Guarantees).
     pub fn new<C: Communicator>(comm: &C) -> Result<Self> {
         Builder::default().build(comm)
     }
@@ -284,30 +365,51 @@ impl Arx {
         Builder::default()
     }
 
-    fn establish(boot: Bootstrap, cfg: Config) -> Result<Self> {
+    fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Self> {
         let world = boot.world();
         let rank = boot.rank();
 
         // Device side. Auto takes the GPU only if every rank can, so that
         // all ranks run the same side (and a rank without a GPU does not
-        // fail a job that never asked for one).
+        // fail a job that never asked for one). The availability is
+        // exchanged whatever the setting, so that every rank runs the same
+        // collectives; the host side does not probe (no driver loading).
+        let probe = match cfg.device {
+            DeviceKind::Host => Err(Error::Unavailable {
+                what: "the GPU device side",
+                reason: "not probed (ARX_DEVICE=host)".into(),
+            }),
+            _ => device::gpu::device_count().map(|_| ()),
+        };
+        let avail = boot.all_gather_bytes(
+            "GPU availability",
+            &match &probe {
+                Ok(()) => vec![1],
+                Err(e) => [&[0u8][..], e.to_string().as_bytes()].concat(),
+            },
+        )?;
+        let missing = avail.iter().position(|b| b.first() != Some(&1));
+        let peer_text =
+            |r: usize| String::from_utf8_lossy(avail[r].get(1..).unwrap_or_default()).into_owned();
         let want_gpu = match cfg.device {
             DeviceKind::Host => false,
             DeviceKind::Gpu => {
-                boot.agree("GPU device side", device::gpu::device_count().map(|_| ()))?;
+                probe?;
+                if let Some(r) = missing {
+                    return Err(Error::PeerFailed {
+                        peer: r,
+                        reason: peer_text(r),
+                    });
+                }
                 true
             }
-            DeviceKind::Auto => {
-                let ok = match device::gpu::device_count() {
-                    Ok(_) => true,
-                    Err(e) => {
-                        log::debug!("arx: device side auto: host ({e})");
-                        false
-                    }
-                };
-                let all = boot.all_gather_bytes("GPU availability", &[u8::from(ok)])?;
-                all.iter().all(|b| b.first() == Some(&1))
-            }
+            DeviceKind::Auto => match missing {
+                None => true,
+                Some(r) => {
+                    log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r));
+                    false
+                }
+            },
         };
         let device_code = if want_gpu {
             DeviceKind::Gpu.code()
@@ -408,6 +510,7 @@ impl Arx {
             Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
         })?;
         boot.barrier("start-up barrier")?;
+        boot.set_call_timeout(cfg.timeout);
         log::info!(
             "arx: rank {rank}/{world} ready: device {}, fabric {fabric_name} ({fabric_desc}), {} bytes mapped",
             match &side {
@@ -470,7 +573,8 @@ impl Arx {
     }
 
     /// A barrier over the instance's private communicator, bounded by the
-    /// timeout (a rank that never arrives is an [`Error::Timeout`]).
+    /// call timeout (a rank that never arrives is an [`Error::Timeout`]).
+    /// After `MPI_Finalize` it returns [`Error::Mpi`] without calling MPI.
     pub fn barrier(&self) -> Result<()> {
         self.boot.barrier("user barrier")
     }

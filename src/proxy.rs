@@ -181,7 +181,15 @@ impl Proxy {
     pub fn stop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
-            let deadline = Instant::now() + self.timeout + Duration::from_secs(1);
+            // Checked: no timeout may make this overflow (the settings are
+            // bounded, but a panic in Drop would abort an unwinding thread).
+            // Without a representable deadline, do not wait at all.
+            let now = Instant::now();
+            let deadline = self
+                .timeout
+                .checked_add(Duration::from_secs(1))
+                .and_then(|d| now.checked_add(d))
+                .unwrap_or(now);
             while !t.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(1));
             }

@@ -1,9 +1,209 @@
-//! `PeerInfo`: what each rank tells every other rank at start-up, its byte
-//! encoding (little-endian, fixed layout, versioned) and its validation.
+//! What ranks tell each other at start-up, in two records, each with its
+//! byte encoding (little-endian, fixed layout, versioned) and validation:
+//!
+//! * [`Settings`], exchanged first, in one collective of fixed shape: the
+//!   settings every rank must share, or why this rank's settings were
+//!   refused. Everything start-up does afterwards (which collectives, in
+//!   which order) follows from these shared settings and from data every
+//!   rank receives alike, so every rank runs the same sequence.
+//! * [`PeerInfo`]: who each rank is (host, pid) once the settings agree.
 
 use crate::abi;
-use crate::config::FabricKind;
+use crate::config::{setting_name, Config, FabricKind};
 use crate::error::{Error, Result};
+
+/// Encoded size of a [`Settings`] record. Fixed for every version of arx:
+/// it is the first collective of start-up, so that a rank running another
+/// build is still named (by its magic or ABI version) instead of making
+/// the collective itself mismatch.
+pub const SETTINGS_BYTES: usize = 256;
+/// Where the refusal message starts, and how long it may be.
+const MESSAGE_AT: usize = 64;
+const MESSAGE_BYTES: usize = SETTINGS_BYTES - MESSAGE_AT;
+
+/// The settings a rank sends first, or its refusal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Settings {
+    magic: u32,
+    abi_version: u32,
+    world: u32,
+    rank: u32,
+    /// Why this rank's settings were refused (its own error, as text).
+    refused: Option<String>,
+    /// Setting codes that must be equal on every rank (zero when refused).
+    device: u8,
+    fabric: u8,
+    staging: u8,
+    slot_bytes: u64,
+    dtype_set: u32,
+}
+
+impl Settings {
+    /// This rank's record for `cfg` (or for its refusal).
+    pub(crate) fn local(world: usize, rank: usize, cfg: &Result<Config>) -> Self {
+        let mut s = Settings {
+            magic: abi::ARX_MAGIC,
+            abi_version: abi::ARX_ABI_VERSION,
+            world: world as u32,
+            rank: rank as u32,
+            refused: None,
+            device: 0,
+            fabric: 0,
+            staging: 0,
+            slot_bytes: 0,
+            dtype_set: DTYPE_SET,
+        };
+        match cfg {
+            Ok(c) => {
+                s.device = c.device.code();
+                s.fabric = c.fabric.code();
+                s.staging = c.staging.code();
+                s.slot_bytes = c.slot_bytes as u64;
+            }
+            Err(e) => s.refused = Some(e.to_string()),
+        }
+        s
+    }
+
+    /// Exactly [`SETTINGS_BYTES`] bytes.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(SETTINGS_BYTES);
+        b.extend_from_slice(&self.magic.to_le_bytes());
+        b.extend_from_slice(&self.abi_version.to_le_bytes());
+        b.extend_from_slice(&(SETTINGS_BYTES as u32).to_le_bytes());
+        b.extend_from_slice(&self.world.to_le_bytes());
+        b.extend_from_slice(&self.rank.to_le_bytes());
+        b.push(u8::from(self.refused.is_some()));
+        b.push(self.device);
+        b.push(self.fabric);
+        b.push(self.staging);
+        b.extend_from_slice(&self.slot_bytes.to_le_bytes());
+        b.extend_from_slice(&self.dtype_set.to_le_bytes());
+        let msg = self.refused.as_deref().unwrap_or("").as_bytes();
+        let n = msg.len().min(MESSAGE_BYTES);
+        b.extend_from_slice(&(n as u16).to_le_bytes());
+        b.resize(MESSAGE_AT, 0);
+        b.extend_from_slice(&msg[..n]);
+        b.resize(SETTINGS_BYTES, 0);
+        b
+    }
+
+    /// Decodes rank `rank`'s record, checking its framing against rank 0's
+    /// (`first`), so that every rank names the same odd rank.
+    fn decode(rank: usize, b: &[u8], first: &[u8]) -> Result<Self> {
+        let bad = |what: &'static str, theirs: String, ours: String| Error::Mismatch {
+            what,
+            rank,
+            ours,
+            theirs,
+        };
+        let u32_at =
+            |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        if b.len() != SETTINGS_BYTES || first.len() != SETTINGS_BYTES {
+            return Err(bad(
+                "settings record size (another arx build?)",
+                b.len().to_string(),
+                first.len().to_string(),
+            ));
+        }
+        for (what, at) in [
+            ("magic (not an arx peer?)", 0),
+            ("ABI version (another arx build?)", 4),
+            ("settings record size (another arx build?)", 8),
+        ] {
+            if u32_at(b, at) != u32_at(first, at) {
+                return Err(bad(
+                    what,
+                    u32_at(b, at).to_string(),
+                    u32_at(first, at).to_string(),
+                ));
+            }
+        }
+        let n = (u16::from_le_bytes([b[36], b[37]]) as usize).min(MESSAGE_BYTES);
+        Ok(Settings {
+            magic: u32_at(b, 0),
+            abi_version: u32_at(b, 4),
+            world: u32_at(b, 12),
+            rank: u32_at(b, 16),
+            refused: (b[20] != 0)
+                .then(|| String::from_utf8_lossy(&b[MESSAGE_AT..MESSAGE_AT + n]).into_owned()),
+            device: b[21],
+            fabric: b[22],
+            staging: b[23],
+            slot_bytes: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
+            dtype_set: u32_at(b, 32),
+        })
+    }
+}
+
+/// Decides the outcome of the settings exchange, identically on every rank
+/// (every rank holds the same `all`): this rank's own refusal, else the
+/// first rank that refused ([`Error::PeerFailed`]), else the first rank
+/// whose settings differ from rank 0's ([`Error::Mismatch`] naming the
+/// rank and the setting's variable), else `local`'s settings.
+pub(crate) fn agree_settings(local: Result<Config>, all: &[Vec<u8>]) -> Result<Config> {
+    let cfg = local?;
+    let first = all.first().map(Vec::as_slice).unwrap_or(&[]);
+    let recs = all
+        .iter()
+        .enumerate()
+        .map(|(r, b)| Settings::decode(r, b, first))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some((peer, reason)) = recs
+        .iter()
+        .enumerate()
+        .find_map(|(r, s)| s.refused.clone().map(|m| (r, m)))
+    {
+        return Err(Error::PeerFailed { peer, reason });
+    }
+    let r0 = &recs[0];
+    for (r, s) in recs.iter().enumerate() {
+        let bad = |what: &'static str, theirs: String, ours: String| Error::Mismatch {
+            what,
+            rank: r,
+            ours,
+            theirs,
+        };
+        if s.world as usize != all.len() {
+            return Err(bad(
+                "world size",
+                s.world.to_string(),
+                all.len().to_string(),
+            ));
+        }
+        if s.rank as usize != r {
+            return Err(bad("rank number", s.rank.to_string(), r.to_string()));
+        }
+        for (what, theirs, ours) in [
+            ("ARX_DEVICE", s.device, r0.device),
+            ("ARX_FABRIC", s.fabric, r0.fabric),
+            ("ARX_STAGING", s.staging, r0.staging),
+        ] {
+            if theirs != ours {
+                return Err(bad(
+                    what,
+                    setting_name(what, theirs),
+                    setting_name(what, ours),
+                ));
+            }
+        }
+        if s.slot_bytes != r0.slot_bytes {
+            return Err(bad(
+                "ARX_SLOT_BYTES",
+                s.slot_bytes.to_string(),
+                r0.slot_bytes.to_string(),
+            ));
+        }
+        if s.dtype_set != r0.dtype_set {
+            return Err(bad(
+                "dtype set (another arx build?)",
+                format!("{:#b}", s.dtype_set),
+                format!("{:#b}", r0.dtype_set),
+            ));
+        }
+    }
+    Ok(cfg)
+}
 
 /// Encoded size of a [`PeerInfo`].
 pub const PEER_INFO_BYTES: usize = 128;
@@ -264,6 +464,146 @@ mod tests {
         rejected(2, |p| p.slot_bytes = 4096, "slot size");
         rejected(1, |p| p.dtype_set = 1 << abi::ARX_DTYPE_F32, "dtype set");
         rejected(1, |p| p.fabric = FabricKind::Verbs, "fabric");
+    }
+
+    fn settings(world: usize, f: impl Fn(usize, &mut Config)) -> Vec<Vec<u8>> {
+        (0..world)
+            .map(|r| {
+                let mut c = Config::resolve_with(&Default::default(), |_| None).unwrap();
+                f(r, &mut c);
+                Settings::local(world, r, &Ok(c)).encode()
+            })
+            .collect()
+    }
+
+    fn ok_config() -> Result<Config> {
+        Config::resolve_with(&Default::default(), |_| None)
+    }
+
+    #[test]
+    fn settings_record_has_one_size() {
+        let cfg = ok_config();
+        assert_eq!(Settings::local(3, 1, &cfg).encode().len(), SETTINGS_BYTES);
+        let refused = Err(Error::InvalidArgument("é".repeat(500)));
+        let b = Settings::local(3, 1, &refused).encode();
+        assert_eq!(b.len(), SETTINGS_BYTES);
+        let s = Settings::decode(1, &b, &b).unwrap();
+        assert!(s.refused.unwrap().starts_with("invalid argument: é"));
+    }
+
+    /// Expects the decision to name `what`, `rank` and both values.
+    fn mismatch(all: &[Vec<u8>], what: &str, rank: usize, ours: &str, theirs: &str) {
+        match agree_settings(ok_config(), all) {
+            Err(Error::Mismatch {
+                what: w,
+                rank: r,
+                ours: o,
+                theirs: t,
+            }) => assert_eq!((w, r, o.as_str(), t.as_str()), (what, rank, ours, theirs)),
+            other => panic!("{what}: expected a mismatch, got {other:?}"),
+        }
+    }
+
+    /// Every rank decides the same: the first odd rank, the variable's name,
+    /// both values.
+    #[test]
+    fn settings_mismatches_name_rank_and_variable() {
+        use crate::config::{DeviceKind, Staging};
+        let odd = |rank: usize, f: fn(&mut Config)| {
+            settings(4, move |r, c| {
+                if r == rank {
+                    f(c)
+                }
+            })
+        };
+        mismatch(
+            &odd(2, |c| c.device = DeviceKind::Gpu),
+            "ARX_DEVICE",
+            2,
+            "auto",
+            "gpu",
+        );
+        mismatch(
+            &odd(1, |c| c.device = DeviceKind::Host),
+            "ARX_DEVICE",
+            1,
+            "auto",
+            "host",
+        );
+        let later = settings(3, |r, c| {
+            if r >= 1 {
+                c.device = DeviceKind::Host
+            }
+        });
+        mismatch(&later, "ARX_DEVICE", 1, "auto", "host");
+        mismatch(
+            &odd(1, |c| c.staging = Staging::CopyEngine),
+            "ARX_STAGING",
+            1,
+            "sm",
+            "copy",
+        );
+        mismatch(
+            &odd(3, |c| c.fabric = FabricKind::Verbs),
+            "ARX_FABRIC",
+            3,
+            "auto",
+            "verbs",
+        );
+        mismatch(
+            &odd(1, |c| c.slot_bytes = 4096),
+            "ARX_SLOT_BYTES",
+            1,
+            "1048576",
+            "4096",
+        );
+        assert!(agree_settings(ok_config(), &settings(3, |_, _| {})).is_ok());
+    }
+
+    #[test]
+    fn a_refusal_is_named_on_every_other_rank() {
+        let mut all = settings(4, |_, _| {});
+        let e = Error::Config {
+            name: "ARX_SLOT_BYTES",
+            value: "12Q".into(),
+            reason: "r".into(),
+        };
+        all[2] = Settings::local(4, 2, &Err(e.clone())).encode();
+        all[3] = Settings::local(4, 3, &Err(e.clone())).encode();
+        match agree_settings(ok_config(), &all) {
+            Err(Error::PeerFailed { peer: 2, reason }) => assert!(reason.contains("12Q")),
+            other => panic!("expected rank 2 named, got {other:?}"),
+        }
+        // The refusing ranks return their own error.
+        assert!(matches!(
+            agree_settings(Err(e), &all),
+            Err(Error::Config {
+                name: "ARX_SLOT_BYTES",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn another_build_is_named() {
+        let mut all = settings(3, |_, _| {});
+        all[1][4] ^= 1; // ABI version
+        assert!(matches!(
+            agree_settings(ok_config(), &all),
+            Err(Error::Mismatch { rank: 1, what, .. }) if what.starts_with("ABI version")
+        ));
+        let mut all = settings(3, |_, _| {});
+        all[2][0] ^= 1;
+        assert!(matches!(
+            agree_settings(ok_config(), &all),
+            Err(Error::Mismatch { rank: 2, what, .. }) if what.starts_with("magic")
+        ));
+        let mut all = settings(3, |_, _| {});
+        all[1].truncate(100);
+        assert!(matches!(
+            agree_settings(ok_config(), &all),
+            Err(Error::Mismatch { rank: 1, .. })
+        ));
     }
 
     #[test]

@@ -10,11 +10,17 @@
 //! Every check is made on every rank: inputs are seeded per rank, every rank
 //! computes the expected sum independently, outputs are poisoned before each
 //! call, and the ranks' digests of every result are compared.
+//!
+//! Set-up is never bounded by a short timeout unless the case is about
+//! that bound: a case with a short call timeout starts with the default
+//! start-up timeout, so that a slow machine (CI's VM) does not decide it.
+//! `ARX_TEST_CASES=word,word` runs only the cases whose names contain one of
+//! the words (each case not run is listed as NOT RUN).
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use arx::{verify, Arx, Element, Error, FabricKind};
+use arx::{verify, Arx, DeviceKind, Element, Error, FabricKind, Staging};
 use half::{bf16, f16};
 use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
@@ -146,11 +152,44 @@ fn child() -> ExitCode {
             "a refusal is seen while another rank is silent (3+ ranks)",
             refusal_past_silence,
         ),
+        ("one rank asks for another device side", device_mismatch),
+        ("one rank asks for another GPU staging", staging_mismatch),
+        ("one rank's setting is out of range", one_rank_bad_setting),
+        ("timeouts out of range are refused", timeouts_out_of_range),
+        ("start-up slower than the call timeout", slow_start_up),
         ("one rank stops calling", rank_stops),
+        (
+            "a late rank at start-up; the others retry at once",
+            retry_immediately,
+        ),
+        (
+            "every rank timed out at start-up, then all retry",
+            retry_after_timeout,
+        ),
+        (
+            "every rank timed out at the first start-up on a communicator, then all retry",
+            retry_on_fresh_comm,
+        ),
         ("one rank never arrives at start-up", bootstrap_timeout),
     ];
+    // ARX_TEST_CASES=word,word runs only the cases whose names contain one
+    // of the words (for working on one case; the full run sets nothing).
+    let only: Option<Vec<String>> = std::env::var("ARX_TEST_CASES")
+        .ok()
+        .map(|s| s.split(',').map(|w| w.trim().to_string()).collect());
     let mut all_ok = true;
     for (name, case) in cases {
+        if let Some(words) = &only {
+            if !words.iter().any(|w| name.contains(w.as_str())) {
+                if ctx.rank == 0 {
+                    println!(
+                        "  [{} ranks] {name}: NOT RUN (filtered by ARX_TEST_CASES)",
+                        ctx.n
+                    );
+                }
+                continue;
+            }
+        }
         let t = Instant::now();
         let local = case(&ctx);
         if let Err(e) = &local {
@@ -411,7 +450,7 @@ fn config_mismatch(ctx: &Ctx) -> Result<(), String> {
     expect_err(
         "mismatched slot size",
         r,
-        |e| matches!(e, Error::Mismatch { what, rank, .. } if what.contains("slot") && *rank == ctx.n - 1),
+        |e| matches!(e, Error::Mismatch { what, rank, .. } if *what == "ARX_SLOT_BYTES" && *rank == ctx.n - 1),
     )?;
     // A fabric mismatch is named too.
     let b = if odd {
@@ -423,7 +462,7 @@ fn config_mismatch(ctx: &Ctx) -> Result<(), String> {
     expect_err(
         "mismatched fabric",
         r,
-        |e| matches!(e, Error::Mismatch { what, .. } if what.contains("fabric")),
+        |e| matches!(e, Error::Mismatch { what, rank, .. } if *what == "ARX_FABRIC" && *rank == ctx.n - 1),
     )?;
     if t.elapsed() > Duration::from_secs(30) {
         return Err(format!("mismatch detection took {:?}", t.elapsed()));
@@ -565,24 +604,224 @@ fn rank_stops(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
+/// The start-up timeout bounds start-up: the last rank arrives after every
+/// other rank's (short) start-up timeout ran out; every rank, the late one
+/// included, returns a timeout within its bound. The call timeout stays
+/// long, to show that it is not the bound here.
 fn bootstrap_timeout(ctx: &Ctx) -> Result<(), String> {
-    let timeout = Duration::from_millis(1500);
+    let init = Duration::from_millis(1500);
     let late = ctx.rank == ctx.n - 1;
     if late {
-        // Arrive after everyone else gave up, so that MPI's collectives on
-        // the world communicator still match afterwards.
-        std::thread::sleep(timeout + Duration::from_millis(1500));
+        // Arrive after everyone else gave up. The late rank's start-up still
+        // matches the others' posted requests on arx's channel, so MPI's
+        // collectives (there, and on the world communicator) stay in step.
+        std::thread::sleep(init + Duration::from_millis(1500));
     }
     let t = Instant::now();
-    let r = builder().timeout(timeout).build(ctx.world).map(|_| ());
+    let r = builder()
+        .timeout(Duration::from_secs(60))
+        .init_timeout(init)
+        .build(ctx.world)
+        .map(|_| ());
     let waited = t.elapsed();
-    expect_err("bootstrap with a missing rank", r, |e| {
-        matches!(e, Error::Timeout { .. })
-    })?;
-    if waited > timeout + Duration::from_secs(5) {
+    expect_err(
+        "bootstrap with a missing rank",
+        r,
+        |e| matches!(e, Error::Timeout { during, .. } if during.starts_with("start-up")),
+    )?;
+    if waited > init + Duration::from_secs(5) {
         return Err(format!(
-            "start-up gave up after {waited:?}, configured {timeout:?}"
+            "start-up gave up after {waited:?}, configured {init:?}"
         ));
     }
     Ok(())
+}
+
+/// Expects every rank to fail at once with a mismatch naming `what` and the
+/// last rank.
+fn mismatch_named(
+    ctx: &Ctx,
+    label: &str,
+    r: arx::Result<()>,
+    waited: Duration,
+    what: &str,
+) -> Result<(), String> {
+    let odd = ctx.n - 1;
+    expect_err(
+        label,
+        r,
+        |e| matches!(e, Error::Mismatch { what: w, rank, .. } if *w == what && *rank == odd),
+    )?;
+    // Detected from the exchanged settings, not by a timeout (the start-up
+    // bound is 20 s here).
+    if waited > Duration::from_secs(10) {
+        return Err(format!("{label}: took {waited:?}"));
+    }
+    Ok(())
+}
+
+/// The last rank asks for another device side than the others: every rank
+/// fails at once naming that rank and ARX_DEVICE (whether or not a GPU is
+/// present: the settings are compared before any GPU is probed).
+fn device_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.rank == ctx.n - 1;
+    for (theirs, ours) in [
+        (DeviceKind::Gpu, DeviceKind::Auto),
+        (DeviceKind::Host, DeviceKind::Auto),
+        (DeviceKind::Gpu, DeviceKind::Host),
+    ] {
+        let t = Instant::now();
+        let r = builder()
+            .device(if odd { theirs } else { ours })
+            .build(ctx.world)
+            .map(|_| ());
+        let label = format!("device {theirs:?} on the last rank, {ours:?} elsewhere");
+        mismatch_named(ctx, &label, r, t.elapsed(), "ARX_DEVICE")?;
+    }
+    // The ranks stay in step: an agreeing instance works afterwards.
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 777, false)
+}
+
+fn staging_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.rank == ctx.n - 1;
+    let t = Instant::now();
+    let r = builder()
+        .staging(if odd {
+            Staging::CopyEngine
+        } else {
+            Staging::Sm
+        })
+        .build(ctx.world)
+        .map(|_| ());
+    mismatch_named(ctx, "staging", r, t.elapsed(), "ARX_STAGING")
+}
+
+/// One rank's setting is rejected locally: that rank returns its own error,
+/// every other rank fails at once naming it.
+fn one_rank_bad_setting(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.n - 1;
+    let b = if ctx.rank == odd {
+        builder().slot_bytes(0)
+    } else {
+        builder()
+    };
+    let t = Instant::now();
+    let r = b.build(ctx.world).map(|_| ());
+    expect_err("slot size 0 on the last rank", r, |e| match e {
+        Error::Config { .. } => ctx.rank == odd,
+        Error::PeerFailed { peer, .. } => ctx.rank != odd && *peer == odd,
+        _ => false,
+    })?;
+    if t.elapsed() > Duration::from_secs(10) {
+        return Err(format!("took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+/// Duration::MAX and ZERO are refused on every rank with an error naming
+/// the option; nothing panics (Duration::MAX used to overflow an Instant in
+/// the proxy's stop).
+fn timeouts_out_of_range(ctx: &Ctx) -> Result<(), String> {
+    for t in [
+        Duration::MAX,
+        Duration::ZERO,
+        Duration::from_secs(25 * 3600),
+    ] {
+        let r = builder().timeout(t).build(ctx.world).map(|_| ());
+        expect_err(
+            &format!("timeout {t:?}"),
+            r,
+            |e| matches!(e, Error::Config { name, .. } if *name == "Builder::timeout"),
+        )?;
+        let r = builder().init_timeout(t).build(ctx.world).map(|_| ());
+        expect_err(
+            &format!("init_timeout {t:?}"),
+            r,
+            |e| matches!(e, Error::Config { name, .. } if *name == "Builder::init_timeout"),
+        )?;
+        let r = builder().stall_warn(t).build(ctx.world).map(|_| ());
+        expect_err(
+            &format!("stall_warn {t:?}"),
+            r,
+            |e| matches!(e, Error::Config { name, .. } if *name == "Builder::stall_warn"),
+        )?;
+    }
+    // The bounds themselves are accepted.
+    let mut arx = builder()
+        .timeout(arx::MAX_TIMEOUT)
+        .init_timeout(arx::MAX_TIMEOUT)
+        .build(ctx.world)
+        .map_err(|e| format!("timeout of 24 h: {e}"))?;
+    checked::<f32>(ctx, &mut arx, 1, 100, false)
+}
+
+/// Set-up may take longer than the call timeout: the last rank arrives
+/// 2.5 s late with a 1 s call timeout, and start-up still succeeds (it is
+/// bounded by the start-up timeout instead).
+fn slow_start_up(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1000);
+    if ctx.rank == ctx.n - 1 {
+        std::thread::sleep(timeout + Duration::from_millis(1500));
+    }
+    let mut arx = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    checked::<bf16>(ctx, &mut arx, 1, 1000, false)
+}
+
+/// Start-up bounded by `init`, the calls by the usual timeout.
+fn short_start_up(init: Duration) -> arx::Builder {
+    builder().init_timeout(init)
+}
+
+/// The last rank arrives late; every rank retries at once on a timeout, as
+/// a program would, doubling its start-up bound each time (so that a slow
+/// machine's set-up, bounded by the same timeout, does not decide the
+/// outcome). Every rank must end with a working instance.
+fn retry_immediately(ctx: &Ctx) -> Result<(), String> {
+    if ctx.rank == ctx.n - 1 {
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    let t = Instant::now();
+    let mut init = Duration::from_millis(1500);
+    let mut attempts = 0;
+    let mut arx = loop {
+        attempts += 1;
+        match short_start_up(init).build(ctx.world) {
+            Ok(a) => break a,
+            Err(Error::Timeout { .. }) if attempts < 7 => init *= 2,
+            Err(e) => return Err(format!("attempt {attempts} after {:?}: {e}", t.elapsed())),
+        }
+    };
+    checked::<f32>(ctx, &mut arx, 1, 1000, false)
+}
+
+/// The last rank arrives after every other rank's start-up timed out; the
+/// late rank's own start-up times out too. Then every rank retries, and the
+/// retry works.
+fn retry_after(ctx: &Ctx, comm: &SimpleCommunicator) -> Result<(), String> {
+    let init = Duration::from_millis(1500);
+    if ctx.rank == ctx.n - 1 {
+        std::thread::sleep(init + Duration::from_millis(1500));
+    }
+    let r = short_start_up(init).build(comm).map(|_| ());
+    expect_err("start-up with a late rank", r, |e| {
+        matches!(e, Error::Timeout { .. })
+    })?;
+    // The program agrees that start-up failed, on its own communicator.
+    ctx.world.barrier();
+    let mut arx = builder().build(comm).map_err(|e| format!("retry: {e}"))?;
+    checked::<f32>(ctx, &mut arx, 1, 1000, false)?;
+    checked::<bf16>(ctx, &mut arx, 2, 4097, true)
+}
+
+fn retry_after_timeout(ctx: &Ctx) -> Result<(), String> {
+    retry_after(ctx, ctx.world)
+}
+
+fn retry_on_fresh_comm(ctx: &Ctx) -> Result<(), String> {
+    let comm = ctx.world.duplicate();
+    retry_after(ctx, &comm)
 }
