@@ -222,16 +222,17 @@ impl Fabric for ShmFabric {
         let world = self.layout.world();
         let mine = &self.regions[me];
         let src = self.layout.send_offset(p);
-        // SAFETY: our send slot of parity p is stable until every peer has
-        // our flag for this seq (see kernels/arx.h, rule 5 of DESIGN.md).
-        let data = unsafe { mine.bytes(src, bytes) };
         for step in 1..world {
             let q = (me + step) % world;
             let peer = &self.regions[q];
             let dst = self.layout.recv_offset(p, me);
             for lane in 0..2 {
                 let r = Layout::lane_range(bytes, lane);
-                peer.write(dst + r.start, &data[r.clone()]);
+                // SAFETY: our send slot of parity p is stable until every
+                // peer has our flag for this seq, and the peer reads
+                // recv[p][me] only after that flag (kernels/arx.h, rule 5 of
+                // DESIGN.md): nothing else touches either range now.
+                unsafe { mine.copy_to(src + r.start, peer, dst + r.start, r.len()) };
                 // Release: the copy above is visible before the flag.
                 peer.u64_at(self.layout.flag_offset(p, me, lane))
                     .store(flag, Ordering::Release);
