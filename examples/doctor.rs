@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
+use arx::topology::LocalRank;
 use arx::{Arx, Config, Element};
 use clap::Parser;
 use half::{bf16, f16};
@@ -241,10 +242,11 @@ fn cuda(r: &mut Report) {
     }
 }
 
-/// Prints the selection; returns the selection error, if any (a problem
-/// unless the job turns out to run on the shm fabric).
-fn selection(r: &mut Report, cfg: &Config) -> Option<String> {
-    match arx::topology::select(cfg) {
+/// Prints the selection for this rank's place on its node (which decides
+/// its proxy core); returns the selection error, if any (a problem unless
+/// the job turns out to run on the shm fabric).
+fn selection(r: &mut Report, cfg: &Config, local: LocalRank) -> Option<String> {
+    match arx::topology::select(cfg, local) {
         Ok(sel) => {
             r.line("chosen lanes:");
             for (l, d) in sel.lanes.iter().enumerate() {
@@ -277,10 +279,15 @@ fn selection(r: &mut Report, cfg: &Config) -> Option<String> {
                 );
             }
             r.line(format!(
-                "proxy core: {}",
+                "proxy core: {}, for local rank {} of {} on this node",
                 sel.proxy_cpu
-                    .map_or("not pinned".to_string(), |c| format!("CPU {c}"))
+                    .map_or("not pinned".to_string(), |c| format!("CPU {c}")),
+                local.index,
+                local.count
             ));
+            if let Some(why) = sel.notes.iter().find(|n| n.starts_with("proxy CPU")) {
+                r.line(format!("  because: {why}"));
+            }
             for n in &sel.notes {
                 r.line(format!("  why: {n}"));
             }
@@ -407,7 +414,14 @@ fn main() -> ExitCode {
     for l in arx::topology::report().lines() {
         r.line(format!("topology: {l}"));
     }
-    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c));
+    // The ranks sharing this node (and its memory): each rank's proxy gets
+    // its own core among them.
+    let node = world.split_shared(rank as i32);
+    let local = LocalRank {
+        index: node.rank() as usize,
+        count: node.size() as usize,
+    };
+    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c, local));
     memlock(&mut r);
     cuda(&mut r);
 

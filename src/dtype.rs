@@ -234,6 +234,7 @@ pub(crate) fn sum_in_rank_order<T: Element>(
     for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
         let at = b * BLOCK * size;
         let n = chunk.len();
+        let len = std::mem::size_of_val(chunk);
         for r in 0..world {
             let dst = if r == 0 {
                 &mut acc[..n]
@@ -245,7 +246,7 @@ pub(crate) fn sum_in_rank_order<T: Element>(
                 // only `f32` has this dtype).
                 part(r, at, bytemuck::cast_slice_mut(dst));
             } else {
-                let bytes = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut raw)[..n * size];
+                let bytes = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut raw)[..len];
                 part(r, at, bytes);
                 T::widen(bytes, dst);
             }
@@ -334,9 +335,17 @@ mod tests {
             let f = one_sum::<f32>(vals, |v| v);
             assert_eq!(f.to_bits(), want.to_bits(), "f32 {vals:?}: got {f:?}");
             let b = one_sum::<bf16>(vals, bf16::from_f32);
-            assert_eq!(b.to_bits(), bf16::from_f32(want).to_bits(), "bf16 {vals:?}: got {b:?}");
+            assert_eq!(
+                b.to_bits(),
+                bf16::from_f32(want).to_bits(),
+                "bf16 {vals:?}: got {b:?}"
+            );
             let h = one_sum::<f16>(vals, f16::from_f32);
-            assert_eq!(h.to_bits(), f16::from_f32(want).to_bits(), "f16 {vals:?}: got {h:?}");
+            assert_eq!(
+                h.to_bits(),
+                f16::from_f32(want).to_bits(),
+                "f16 {vals:?}: got {h:?}"
+            );
         }
         let nan_cases: &[&[f32]] = &[
             &[f32::NAN],
@@ -347,15 +356,24 @@ mod tests {
         ];
         for &vals in nan_cases {
             assert!(one_sum::<f32>(vals, |v| v).is_nan(), "f32 {vals:?}");
-            assert!(one_sum::<bf16>(vals, bf16::from_f32).is_nan(), "bf16 {vals:?}");
+            assert!(
+                one_sum::<bf16>(vals, bf16::from_f32).is_nan(),
+                "bf16 {vals:?}"
+            );
             assert!(one_sum::<f16>(vals, f16::from_f32).is_nan(), "f16 {vals:?}");
         }
         // Overflow of the narrow types happens at the one rounding: bf16 and
         // f16 maxima summed in f32 exceed them (and f32's own maximum).
-        assert_eq!(one_sum::<f16>(&[65504.0, 65504.0], f16::from_f32), f16::INFINITY);
+        assert_eq!(
+            one_sum::<f16>(&[65504.0, 65504.0], f16::from_f32),
+            f16::INFINITY
+        );
         assert_eq!(one_sum::<f32>(&[f32::MAX, f32::MAX], |v| v), inf);
         let bmax = bf16::MAX.to_f32();
-        assert_eq!(one_sum::<bf16>(&[bmax, bmax], bf16::from_f32), bf16::INFINITY);
+        assert_eq!(
+            one_sum::<bf16>(&[bmax, bmax], bf16::from_f32),
+            bf16::INFINITY
+        );
         // In f16, 65504 + 8 rounds back to 65504 but 65504 + 8 + 8 = 65520
         // rounds (to even) to infinity: the sum is rounded once, at the end.
         assert_eq!(
@@ -389,7 +407,10 @@ mod tests {
             .iter()
             .map(|v| v.iter().map(|&f| bf16::from_f32(f)).collect())
             .collect();
-        let bytes: Vec<Vec<u8>> = hb.iter().map(|v| bytemuck::cast_slice(v).to_vec()).collect();
+        let bytes: Vec<Vec<u8>> = hb
+            .iter()
+            .map(|v| bytemuck::cast_slice(v).to_vec())
+            .collect();
         let mut out = vec![bf16::NAN; n];
         sum_in_rank_order(3, from_slices(&bytes), &mut out);
         for (i, o) in out.iter().enumerate() {
