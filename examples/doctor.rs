@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
-use arx::topology::LocalRank;
+use arx::topology::{LocalRank, ThreadCpus};
 use arx::{Arx, Config, Element};
 use clap::Parser;
 use half::{bf16, f16};
@@ -245,7 +245,7 @@ fn cuda(r: &mut Report) {
 /// Prints the selection for this rank's place on its node (which decides
 /// its proxy core); returns the selection error, if any (a problem unless
 /// the job turns out to run on the shm fabric).
-fn selection(r: &mut Report, cfg: &Config, local: LocalRank) -> Option<String> {
+fn selection(r: &mut Report, cfg: &Config, local: &LocalRank) -> Option<String> {
     match arx::topology::select(cfg, local) {
         Ok(sel) => {
             r.line("chosen lanes:");
@@ -288,7 +288,7 @@ fn selection(r: &mut Report, cfg: &Config, local: LocalRank) -> Option<String> {
             if let Some(why) = sel.notes.iter().find(|n| n.starts_with("proxy CPU")) {
                 r.line(format!("  because: {why}"));
             }
-            for n in &sel.notes {
+            for n in sel.notes.iter().filter(|n| !n.starts_with("proxy CPU")) {
                 r.line(format!("  why: {n}"));
             }
             for w in sel.warnings() {
@@ -416,12 +416,23 @@ fn main() -> ExitCode {
     }
     // The ranks sharing this node (and its memory): each rank's proxy gets
     // its own core among them.
+    // Main threads bound to one CPU each are left to them, as arx does.
     let node = world.split_shared(rank as i32);
+    let sole = ThreadCpus::of_current_thread()
+        .sole_cpu()
+        .map_or(u64::MAX, |c| c as u64);
+    let mut mains = vec![0u64; node.size() as usize];
+    node.all_gather_into(&sole, &mut mains[..]);
     let local = LocalRank {
         index: node.rank() as usize,
         count: node.size() as usize,
+        main_cpus: mains
+            .iter()
+            .filter(|&&c| c != u64::MAX)
+            .map(|&c| c as usize)
+            .collect(),
     };
-    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c, local));
+    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c, &local));
     memlock(&mut r);
     cuda(&mut r);
 

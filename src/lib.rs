@@ -373,7 +373,7 @@ impl Arx {
                 };
                 let region = Arc::new(boot.agree("region", region)?);
                 let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
-                let local = topology::LocalRank::among(&hosts, rank);
+                let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
                 let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, local)?;
                 (region, Box::new(f))
             }

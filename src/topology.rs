@@ -131,25 +131,42 @@ impl ThreadCpus {
             .map(|s| s.into_iter().map(|c| c as usize).collect::<Vec<_>>());
         ThreadCpus { current, bound }
     }
+
+    /// The one CPU the thread is bound to, if it is bound to exactly one.
+    pub fn sole_cpu(&self) -> Option<usize> {
+        match self.bound.as_deref() {
+            Some([c]) => Some(*c),
+            _ => None,
+        }
+    }
 }
 
 /// This rank's place among the ranks of its node. The proxies of a node's
 /// ranks are spread over distinct cores by it: each local rank takes its
 /// own share of the node's preferred cores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalRank {
     /// Index among the ranks of this node, in rank order (0-based).
     pub index: usize,
     /// Ranks on this node (at least 1).
     pub count: usize,
+    /// CPUs to which the main thread of one of this node's ranks is bound
+    /// alone (`mpirun --bind-to core`), as far as known: no proxy goes
+    /// there while enough other CPUs remain. Must be the same list on every
+    /// rank of the node (arx gathers it from every rank); empty when unknown.
+    pub main_cpus: Vec<usize>,
 }
 
 impl LocalRank {
     /// The only rank on its node.
-    pub const ALONE: LocalRank = LocalRank { index: 0, count: 1 };
+    pub const ALONE: LocalRank = LocalRank {
+        index: 0,
+        count: 1,
+        main_cpus: Vec::new(),
+    };
 
     /// `rank`'s place given every rank's node name in rank order
-    /// (`hosts[r]` is rank r's, as `PeerInfo::host`).
+    /// (`hosts[r]` is rank r's, as `PeerInfo::host`); main threads unknown.
     pub fn among<S: AsRef<str>>(hosts: &[S], rank: usize) -> Self {
         let Some(mine) = hosts.get(rank).map(AsRef::as_ref) else {
             return LocalRank::ALONE;
@@ -158,7 +175,33 @@ impl LocalRank {
         LocalRank {
             index: hosts[..rank].iter().filter(|h| same(h)).count(),
             count: hosts.iter().filter(|h| same(h)).count(),
+            main_cpus: Vec::new(),
         }
+    }
+
+    /// As [`LocalRank::among`], with the CPUs the node's ranks' main threads
+    /// are bound to alone, learnt from every rank. Collective over `boot`.
+    pub(crate) fn gather<S: AsRef<str>>(
+        boot: &crate::bootstrap::Bootstrap,
+        hosts: &[S],
+        rank: usize,
+    ) -> Result<Self> {
+        let mut local = LocalRank::among(hosts, rank);
+        let sole = ThreadCpus::of_current_thread().sole_cpu();
+        let mine = sole.map_or(u64::MAX, |c| c as u64);
+        let all = boot.all_gather_bytes("main thread CPUs", &mine.to_le_bytes())?;
+        for (r, b) in all.iter().enumerate() {
+            let same_node = hosts.get(r).map(AsRef::as_ref) == hosts.get(rank).map(AsRef::as_ref);
+            let cpu = <[u8; 8]>::try_from(b.as_slice()).map(u64::from_le_bytes);
+            if let (true, Ok(c)) = (same_node, cpu) {
+                if c != u64::MAX {
+                    local.main_cpus.push(c as usize);
+                }
+            }
+        }
+        local.main_cpus.sort_unstable();
+        local.main_cpus.dedup();
+        Ok(local)
     }
 }
 
@@ -1063,7 +1106,7 @@ fn choose_proxy_cpu(
     lanes: &[&DeviceInfo],
     cfg: &Config,
     me: &ThreadCpus,
-    local: LocalRank,
+    local: &LocalRank,
     notes: &mut Vec<String>,
 ) -> Option<usize> {
     let online = &disc.cpus.online;
@@ -1105,8 +1148,31 @@ fn choose_proxy_cpu(
     // Beyond the big cores near the NIC a rank gets the next best distinct
     // core rather than a big one another proxy spins on. Only with more
     // local ranks than online CPUs do shares wrap (and proxies share).
-    let order = proxy_cpu_order(disc, &near);
+    let mut order = proxy_cpu_order(disc, &near);
     let count = local.count.max(1);
+    // Main threads bound to one CPU each (every rank knows the same list):
+    // leave those CPUs out of the order while enough others remain.
+    let mains: Vec<usize> = local
+        .main_cpus
+        .iter()
+        .copied()
+        .filter(|c| order.contains(c))
+        .collect();
+    if !mains.is_empty() {
+        if order.len() - mains.len() >= count {
+            order.retain(|c| !mains.contains(c));
+            notes.push(format!(
+                "CPUs {} hold main threads of this node's ranks (bound one CPU each): left to them",
+                format_cpulist(&mains)
+            ));
+        } else {
+            notes.push(format!(
+                "CPUs {} hold main threads of this node's ranks, but too few CPUs remain \
+                 without them for {count} proxies: proxies may share with main threads",
+                format_cpulist(&mains)
+            ));
+        }
+    }
     let index = local.index % count;
     let share: Vec<usize> = if count <= order.len() {
         order.iter().skip(index).step_by(count).copied().collect()
@@ -1208,7 +1274,7 @@ pub fn select_from(
     disc: &Discovery,
     cfg: &Config,
     me: &ThreadCpus,
-    local: LocalRank,
+    local: &LocalRank,
 ) -> Result<Selection> {
     let mut notes = disc.notes.clone();
     let chosen: Vec<&DeviceInfo> = match &cfg.devices {
@@ -1303,7 +1369,7 @@ pub fn select_in(
     hwloc: HwlocSource<'_>,
     cfg: &Config,
     me: &ThreadCpus,
-    local: LocalRank,
+    local: &LocalRank,
 ) -> Result<Selection> {
     let disc = discover_in(sysfs_root, hwloc)?;
     select_from(&disc, cfg, me, local)
@@ -1311,7 +1377,7 @@ pub fn select_in(
 
 /// Discovers RDMA devices and chooses the two lanes, and the proxy core of
 /// local rank `local` (its own among the node's ranks' proxies).
-pub fn select(cfg: &Config, local: LocalRank) -> Result<Selection> {
+pub fn select(cfg: &Config, local: &LocalRank) -> Result<Selection> {
     select_in(
         Path::new("/"),
         HwlocSource::Live,
@@ -1564,7 +1630,7 @@ pub fn report_in(
             }
         }
     }
-    match select_from(&disc, cfg, me, LocalRank::ALONE) {
+    match select_from(&disc, cfg, me, &LocalRank::ALONE) {
         Ok(sel) => {
             for (i, l) in sel.lanes.iter().enumerate() {
                 let _ = writeln!(
@@ -1628,7 +1694,7 @@ mod tests {
             HwlocSource::Off,
             &cfg_with(vars),
             &ThreadCpus::default(),
-            LocalRank::ALONE,
+            &LocalRank::ALONE,
         )
     }
 
@@ -1819,7 +1885,7 @@ mod tests {
         let cfg = cfg_with(&[]);
         let root = fixture("spark_both");
         let pick = |me: ThreadCpus| {
-            select_in(&root, HwlocSource::Off, &cfg, &me, LocalRank::ALONE)
+            select_in(&root, HwlocSource::Off, &cfg, &me, &LocalRank::ALONE)
                 .unwrap()
                 .proxy_cpu
                 .unwrap()
@@ -1853,6 +1919,14 @@ mod tests {
 
     const GB10_BIG: [usize; 10] = [5, 6, 7, 8, 9, 15, 16, 17, 18, 19];
 
+    fn lr(index: usize, count: usize) -> LocalRank {
+        LocalRank {
+            index,
+            count,
+            main_cpus: Vec::new(),
+        }
+    }
+
     /// Every local rank's proxy CPU on a node of `count` ranks, each rank's
     /// main thread described by `me(index)`.
     fn node_picks(
@@ -1863,7 +1937,7 @@ mod tests {
         let cfg = cfg_with(&[]);
         (0..count)
             .map(|index| {
-                let s = select_from(disc, &cfg, &me(index), LocalRank { index, count }).unwrap();
+                let s = select_from(disc, &cfg, &me(index), &lr(index, count)).unwrap();
                 (s.proxy_cpu.expect("pinned"), s)
             })
             .collect()
@@ -1975,26 +2049,70 @@ mod tests {
     }
 
     #[test]
+    fn proxies_keep_off_the_cpus_of_bound_main_threads() {
+        let disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
+        // Main threads bound to 18 (local rank 0) and 19 (local rank 1): with
+        // only its own binding known, each proxy lands on the other rank's
+        // main thread.
+        let bound = |i: usize| {
+            let c = [18, 19][i];
+            ThreadCpus {
+                current: Some(c),
+                bound: Some(vec![c]),
+            }
+        };
+        let blind = node_picks(&disc, 2, bound);
+        let cpus: Vec<usize> = blind.iter().map(|p| p.0).collect();
+        assert_eq!(cpus, [19, 18]);
+        // Knowing every local rank's binding, they keep off both.
+        let cfg = cfg_with(&[]);
+        let cpus: Vec<usize> = (0..2)
+            .map(|i| {
+                let local = LocalRank {
+                    main_cpus: vec![18, 19],
+                    ..lr(i, 2)
+                };
+                let s = select_from(&disc, &cfg, &bound(i), &local).unwrap();
+                assert!(
+                    has_note(&s, "CPUs 18-19 hold main threads"),
+                    "{:#?}",
+                    s.notes
+                );
+                s.proxy_cpu.unwrap()
+            })
+            .collect();
+        assert_eq!(cpus, [17, 16]);
+        // Too few CPUs without them: proxies may share, and it is said.
+        let local = LocalRank {
+            main_cpus: (0..20).collect(),
+            ..lr(0, 2)
+        };
+        let s = select_from(&disc, &cfg, &ThreadCpus::default(), &local).unwrap();
+        assert!(has_note(&s, "too few CPUs remain"), "{:#?}", s.notes);
+        assert_eq!(s.proxy_cpu, Some(19));
+    }
+
+    #[test]
     fn local_rank_among_the_node_names() {
         let hosts = ["a", "b", "a", "a", "b"];
         let at = |rank| LocalRank::among(&hosts, rank);
-        assert_eq!(at(0), LocalRank { index: 0, count: 3 });
-        assert_eq!(at(1), LocalRank { index: 0, count: 2 });
-        assert_eq!(at(3), LocalRank { index: 2, count: 3 });
-        assert_eq!(at(4), LocalRank { index: 1, count: 2 });
+        assert_eq!(at(0), lr(0, 3));
+        assert_eq!(at(1), lr(0, 2));
+        assert_eq!(at(3), lr(2, 3));
+        assert_eq!(at(4), lr(1, 2));
         assert_eq!(at(5), LocalRank::ALONE);
         // The override pins every local rank to one CPU: said as a warning.
         let disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
         let cfg = cfg_with(&[("ARX_PROXY_CPU", "7")]);
         let me = ThreadCpus::default();
-        let s = select_from(&disc, &cfg, &me, LocalRank { index: 1, count: 2 }).unwrap();
+        let s = select_from(&disc, &cfg, &me, &lr(1, 2)).unwrap();
         assert_eq!(s.proxy_cpu, Some(7));
         assert!(
             s.warnings().any(|w| w.contains("one CPU")),
             "{:#?}",
             s.notes
         );
-        let s = select_from(&disc, &cfg, &me, LocalRank::ALONE).unwrap();
+        let s = select_from(&disc, &cfg, &me, &LocalRank::ALONE).unwrap();
         assert_eq!(s.warnings().count(), 0, "{:#?}", s.notes);
     }
 
@@ -2015,10 +2133,10 @@ mod tests {
             bound: Some(vec![5, 6, 7, 8, 9, 15, 16, 17, 18, 19]),
         };
         let cfg = cfg_with(&[]);
-        let with = select_in(&root, HwlocSource::Xml(&xml), &cfg, &me, LocalRank::ALONE).unwrap();
+        let with = select_in(&root, HwlocSource::Xml(&xml), &cfg, &me, &LocalRank::ALONE).unwrap();
         assert_eq!(with.proxy_cpu, Some(18), "{:#?}", with.notes);
         assert_eq!(with.warnings().count(), 0, "{:#?}", with.notes);
-        let without = select_in(&root, HwlocSource::Off, &cfg, &me, LocalRank::ALONE).unwrap();
+        let without = select_in(&root, HwlocSource::Off, &cfg, &me, &LocalRank::ALONE).unwrap();
         assert_eq!(without.proxy_cpu, Some(14), "{:#?}", without.notes);
         assert_eq!(with.lanes, without.lanes);
     }
@@ -2046,7 +2164,7 @@ mod tests {
             HwlocSource::Xml(&xml),
             &cfg_with(&[]),
             &ThreadCpus::default(),
-            LocalRank::ALONE,
+            &LocalRank::ALONE,
         )
         .unwrap();
         assert_eq!(s.lanes[0].root, "0000:00:00.0");
@@ -2063,7 +2181,7 @@ mod tests {
         let r = report();
         assert!(r.contains("memlock:"), "{r}");
         if !Path::new("/sys/class/infiniband").exists() {
-            let e = select(&cfg_with(&[]), LocalRank::ALONE).unwrap_err();
+            let e = select(&cfg_with(&[]), &LocalRank::ALONE).unwrap_err();
             assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
             assert!(r.contains("RDMA devices: none"), "{r}");
         }
@@ -2076,7 +2194,7 @@ mod tests {
             HwlocSource::Xml(Path::new("/nonexistent/topo.xml")),
             &cfg_with(&[]),
             &ThreadCpus::default(),
-            LocalRank::ALONE,
+            &LocalRank::ALONE,
         )
         .unwrap();
         assert_eq!(names(&s), ["rocep1s0f0", "roceP2p1s0f0"]);
@@ -2106,7 +2224,7 @@ mod tests {
             HwlocSource::Off,
             &cfg_with(&[]),
             &ThreadCpus::default(),
-            LocalRank::ALONE,
+            &LocalRank::ALONE,
         )
         .unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
@@ -2117,7 +2235,7 @@ mod tests {
             HwlocSource::Off,
             &cfg_with(&[]),
             &ThreadCpus::default(),
-            LocalRank::ALONE,
+            &LocalRank::ALONE,
         )
         .unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");

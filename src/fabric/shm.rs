@@ -134,7 +134,7 @@ fn no_space(name: &str, layout: &Layout, len: usize, detail: &str) -> Error {
         Some((free, total)) => {
             // What would fit now: per rank, the fixed part plus the slots.
             let fit = (free as usize / world).saturating_sub(fixed) / slots / 4096 * 4096;
-            let want = (total - free + len as u64).div_ceil(1 << 20);
+            let want = (total.saturating_sub(free) + len as u64).div_ceil(1 << 20);
             format!(
                 "/dev/shm has {free} bytes free ({}) of {total} ({}). Raise it to at least \
                  {want} MiB (docker run --shm-size={want}m ..., or mount -o remount,size={want}m \

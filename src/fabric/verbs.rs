@@ -1009,7 +1009,7 @@ pub(crate) fn connect(
 ) -> Result<VerbsFabric> {
     let world = layout.world();
     let me = layout.rank();
-    let local = topology::select(cfg, local_rank)
+    let local = topology::select(cfg, &local_rank)
         .and_then(|sel| open_local(layout, region, &sel.lanes).map(|l| (sel, l)));
     let (
         sel,
