@@ -474,7 +474,9 @@ impl Arx {
                     None => Region::anonymous(layout.region_bytes()),
                 };
                 let region = Arc::new(boot.agree("region", region)?);
-                let f = fabric::verbs::connect(&boot, &cfg, &layout, &region)?;
+                let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
+                let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
+                let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, local)?;
                 (region, Box::new(f))
             }
         };

@@ -131,6 +131,84 @@ impl ThreadCpus {
             .map(|s| s.into_iter().map(|c| c as usize).collect::<Vec<_>>());
         ThreadCpus { current, bound }
     }
+
+    /// The one CPU the thread is bound to, if it is bound to exactly one.
+    pub fn sole_cpu(&self) -> Option<usize> {
+        match self.bound.as_deref() {
+            Some([c]) => Some(*c),
+            _ => None,
+        }
+    }
+}
+
+/// This rank's place among the ranks of its node. The proxies of a node's
+/// ranks are spread over distinct cores by it: each local rank takes its
+/// own share of the node's preferred cores.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRank {
+    /// Index among the ranks of this node, in rank order (0-based).
+    pub index: usize,
+    /// Ranks on this node (at least 1).
+    pub count: usize,
+    /// CPUs to which the main thread of one of this node's ranks is bound
+    /// alone (`mpirun --bind-to core`), as far as known: no proxy goes
+    /// there while enough other CPUs remain. Must be the same list on every
+    /// rank of the node (arx gathers it from every rank); empty when unknown.
+    pub main_cpus: Vec<usize>,
+}
+
+impl LocalRank {
+    /// The only rank on its node.
+    pub const ALONE: LocalRank = LocalRank {
+        index: 0,
+        count: 1,
+        main_cpus: Vec::new(),
+    };
+
+    /// `rank`'s place given every rank's node name in rank order
+    /// (`hosts[r]` is rank r's, as `PeerInfo::host`); main threads unknown.
+    pub fn among<S: AsRef<str>>(hosts: &[S], rank: usize) -> Self {
+        let Some(mine) = hosts.get(rank).map(AsRef::as_ref) else {
+            return LocalRank::ALONE;
+        };
+        let same = |h: &S| h.as_ref() == mine;
+        LocalRank {
+            index: hosts[..rank].iter().filter(|h| same(h)).count(),
+            count: hosts.iter().filter(|h| same(h)).count(),
+            main_cpus: Vec::new(),
+        }
+    }
+
+    /// As [`LocalRank::among`], with the CPUs the node's ranks' main threads
+    /// are bound to alone, learnt from every rank. Collective over `boot`.
+    pub(crate) fn gather<S: AsRef<str>>(
+        boot: &crate::bootstrap::Bootstrap,
+        hosts: &[S],
+        rank: usize,
+    ) -> Result<Self> {
+        let mut local = LocalRank::among(hosts, rank);
+        let sole = ThreadCpus::of_current_thread().sole_cpu();
+        let mine = sole.map_or(u64::MAX, |c| c as u64);
+        let all = boot.all_gather_bytes("main thread CPUs", &mine.to_le_bytes())?;
+        for (r, b) in all.iter().enumerate() {
+            let same_node = hosts.get(r).map(AsRef::as_ref) == hosts.get(rank).map(AsRef::as_ref);
+            let cpu = <[u8; 8]>::try_from(b.as_slice()).map(u64::from_le_bytes);
+            if let (true, Ok(c)) = (same_node, cpu) {
+                if c != u64::MAX {
+                    local.main_cpus.push(c as usize);
+                }
+            }
+        }
+        local.main_cpus.sort_unstable();
+        local.main_cpus.dedup();
+        Ok(local)
+    }
+}
+
+impl Default for LocalRank {
+    fn default() -> Self {
+        LocalRank::ALONE
+    }
 }
 
 /// One GID table entry that could be read.
@@ -1010,11 +1088,25 @@ fn pcie_notes(lanes: &[&DeviceInfo], notes: &mut Vec<String>) {
     }
 }
 
+/// The node's CPUs in the order the proxy wants them: big and near the
+/// NIC, big, near, the rest; higher numbers first within each (CPU 0 tends
+/// to take interrupts and housekeeping). It depends on the hardware only,
+/// so every rank of the node computes the same order.
+fn proxy_cpu_order(disc: &Discovery, near: &[usize]) -> Vec<usize> {
+    let big = |c: &usize| disc.cpus.big.contains(c);
+    let is_near = |c: &usize| near.is_empty() || near.contains(c);
+    let mut order: Vec<usize> = disc.cpus.online.iter().rev().copied().collect();
+    // Stable: descending numbers within each group.
+    order.sort_by_key(|c| (!big(c), !is_near(c)));
+    order
+}
+
 fn choose_proxy_cpu(
     disc: &Discovery,
     lanes: &[&DeviceInfo],
     cfg: &Config,
     me: &ThreadCpus,
+    local: &LocalRank,
     notes: &mut Vec<String>,
 ) -> Option<usize> {
     let online = &disc.cpus.online;
@@ -1024,6 +1116,13 @@ fn choose_proxy_cpu(
             notes.push(format!(
                 "{WARN}ARX_PROXY_CPU={c} is not an online CPU ({})",
                 format_cpulist(online)
+            ));
+        }
+        if local.count > 1 {
+            notes.push(format!(
+                "{WARN}ARX_PROXY_CPU={c} puts the proxies of all {} ranks on this node on one \
+                 CPU; unset it to give each its own",
+                local.count
             ));
         }
         return Some(c);
@@ -1039,6 +1138,62 @@ fn choose_proxy_cpu(
     near.sort_unstable();
     near.dedup();
     let near_all = near.is_empty() || online.iter().all(|c| near.contains(c));
+    let big = |c: &usize| disc.cpus.big.contains(c);
+    let is_near = |c: &usize| near.is_empty() || near.contains(c);
+
+    // Each local rank takes every `count`-th CPU of the node's order,
+    // starting at its index: the ranks' shares are disjoint, so their
+    // proxies get distinct CPUs without talking to each other, and the
+    // first `count` CPUs of the order (the best) go one to each rank.
+    // Beyond the big cores near the NIC a rank gets the next best distinct
+    // core rather than a big one another proxy spins on. Only with more
+    // local ranks than online CPUs do shares wrap (and proxies share).
+    let mut order = proxy_cpu_order(disc, &near);
+    let count = local.count.max(1);
+    // Main threads bound to one CPU each (every rank knows the same list):
+    // leave those CPUs out of the order while enough others remain.
+    let mains: Vec<usize> = local
+        .main_cpus
+        .iter()
+        .copied()
+        .filter(|c| order.contains(c))
+        .collect();
+    if !mains.is_empty() {
+        if order.len() - mains.len() >= count {
+            order.retain(|c| !mains.contains(c));
+            notes.push(format!(
+                "CPUs {} hold main threads of this node's ranks (bound one CPU each): left to them",
+                format_cpulist(&mains)
+            ));
+        } else {
+            notes.push(format!(
+                "CPUs {} hold main threads of this node's ranks, but too few CPUs remain \
+                 without them for {count} proxies: proxies may share with main threads",
+                format_cpulist(&mains)
+            ));
+        }
+    }
+    let index = local.index % count;
+    let share: Vec<usize> = if count <= order.len() {
+        order.iter().skip(index).step_by(count).copied().collect()
+    } else {
+        notes.push(format!(
+            "{WARN}{count} ranks on this node but {} online CPUs: proxies share CPUs (local \
+             rank {index} takes CPU {}, as does every local rank {} apart)",
+            order.len(),
+            order[index % order.len()],
+            order.len()
+        ));
+        vec![order[index % order.len()]]
+    };
+    let best = order.iter().filter(|c| big(c) && is_near(c)).count();
+    if count > 1 && !disc.cpus.big.is_empty() && count > best {
+        notes.push(format!(
+            "{count} ranks on this node, {best} big cores near the NIC: local ranks {best} and \
+             up get the next best distinct cores rather than sharing a big one"
+        ));
+    }
+
     let bound = me
         .bound
         .as_ref()
@@ -1067,22 +1222,29 @@ fn choose_proxy_cpu(
         ),
         ("any online CPU", false, false, false),
     ];
+    let share_note = if count > 1 {
+        format!(
+            "; local rank {index} of {count} on this node, its share of the node's CPUs: {}",
+            format_cpulist(&share)
+        )
+    } else {
+        String::new()
+    };
     for (why, want_big, want_near, avoid_bound) in tiers {
         if want_big && disc.cpus.big.is_empty() {
             continue;
         }
-        let pick = online
+        let pick = share
             .iter()
-            .rev()
             .copied()
-            .filter(|c| !want_big || disc.cpus.big.contains(c))
-            .filter(|c| !want_near || near.is_empty() || near.contains(c))
+            .filter(|c| !want_big || big(c))
+            .filter(|c| !want_near || is_near(c))
             .filter(|c| !avoid_bound || bound.map_or(true, |b| !b.contains(c)))
             .find(|c| Some(*c) != me.current);
         if let Some(c) = pick {
             notes.push(format!(
                 "proxy CPU {c}: {why} (big cores {} from {}; near the NIC: {}; main thread on \
-                 CPU {}{})",
+                 CPU {}{}{share_note})",
                 format_cpulist(&disc.cpus.big),
                 disc.cpus.big_source,
                 if near_all {
@@ -1100,12 +1262,20 @@ fn choose_proxy_cpu(
             return Some(c);
         }
     }
-    notes.push("proxy CPU: no CPU other than the main thread's; not pinned".into());
+    notes.push(format!(
+        "proxy CPU: no CPU other than the main thread's in this rank's share; not pinned{share_note}"
+    ));
     None
 }
 
-/// Chooses lanes and the proxy core from a [`Discovery`].
-pub fn select_from(disc: &Discovery, cfg: &Config, me: &ThreadCpus) -> Result<Selection> {
+/// Chooses lanes and the proxy core from a [`Discovery`], for local rank
+/// `local` of its node.
+pub fn select_from(
+    disc: &Discovery,
+    cfg: &Config,
+    me: &ThreadCpus,
+    local: &LocalRank,
+) -> Result<Selection> {
     let mut notes = disc.notes.clone();
     let chosen: Vec<&DeviceInfo> = match &cfg.devices {
         Some(names) => {
@@ -1181,7 +1351,7 @@ pub fn select_from(disc: &Discovery, cfg: &Config, me: &ThreadCpus) -> Result<Se
         ));
     }
     pcie_notes(&chosen, &mut notes);
-    let proxy_cpu = choose_proxy_cpu(disc, &chosen, cfg, me, &mut notes);
+    let proxy_cpu = choose_proxy_cpu(disc, &chosen, cfg, me, local, &mut notes);
     for n in notes.iter().filter(|n| n.starts_with(WARN)) {
         log::warn!("arx topology: {}", &n[WARN.len()..]);
     }
@@ -1199,18 +1369,21 @@ pub fn select_in(
     hwloc: HwlocSource<'_>,
     cfg: &Config,
     me: &ThreadCpus,
+    local: &LocalRank,
 ) -> Result<Selection> {
     let disc = discover_in(sysfs_root, hwloc)?;
-    select_from(&disc, cfg, me)
+    select_from(&disc, cfg, me, local)
 }
 
-/// Discovers RDMA devices and chooses the two lanes.
-pub fn select(cfg: &Config) -> Result<Selection> {
+/// Discovers RDMA devices and chooses the two lanes, and the proxy core of
+/// local rank `local` (its own among the node's ranks' proxies).
+pub fn select(cfg: &Config, local: &LocalRank) -> Result<Selection> {
     select_in(
         Path::new("/"),
         HwlocSource::Live,
         cfg,
         &ThreadCpus::of_current_thread(),
+        local,
     )
 }
 
@@ -1457,7 +1630,7 @@ pub fn report_in(
             }
         }
     }
-    match select_from(&disc, cfg, me) {
+    match select_from(&disc, cfg, me, &LocalRank::ALONE) {
         Ok(sel) => {
             for (i, l) in sel.lanes.iter().enumerate() {
                 let _ = writeln!(
@@ -1474,7 +1647,7 @@ pub fn report_in(
             }
             let _ = writeln!(
                 s,
-                "proxy CPU: {}",
+                "proxy CPU (a rank alone on its node): {}",
                 sel.proxy_cpu
                     .map(|c| c.to_string())
                     .unwrap_or_else(|| "not pinned".into())
@@ -1521,6 +1694,7 @@ mod tests {
             HwlocSource::Off,
             &cfg_with(vars),
             &ThreadCpus::default(),
+            &LocalRank::ALONE,
         )
     }
 
@@ -1711,7 +1885,7 @@ mod tests {
         let cfg = cfg_with(&[]);
         let root = fixture("spark_both");
         let pick = |me: ThreadCpus| {
-            select_in(&root, HwlocSource::Off, &cfg, &me)
+            select_in(&root, HwlocSource::Off, &cfg, &me, &LocalRank::ALONE)
                 .unwrap()
                 .proxy_cpu
                 .unwrap()
@@ -1743,6 +1917,205 @@ mod tests {
         assert!(has_note(&s, "ARX_PROXY_CPU"));
     }
 
+    const GB10_BIG: [usize; 10] = [5, 6, 7, 8, 9, 15, 16, 17, 18, 19];
+
+    fn lr(index: usize, count: usize) -> LocalRank {
+        LocalRank {
+            index,
+            count,
+            main_cpus: Vec::new(),
+        }
+    }
+
+    /// Every local rank's proxy CPU on a node of `count` ranks, each rank's
+    /// main thread described by `me(index)`.
+    fn node_picks(
+        disc: &Discovery,
+        count: usize,
+        me: impl Fn(usize) -> ThreadCpus,
+    ) -> Vec<(usize, Selection)> {
+        let cfg = cfg_with(&[]);
+        (0..count)
+            .map(|index| {
+                let s = select_from(disc, &cfg, &me(index), &lr(index, count)).unwrap();
+                (s.proxy_cpu.expect("pinned"), s)
+            })
+            .collect()
+    }
+
+    fn distinct(picks: &[(usize, Selection)]) -> bool {
+        let set: BTreeSet<usize> = picks.iter().map(|p| p.0).collect();
+        set.len() == picks.len()
+    }
+
+    #[test]
+    fn proxies_of_a_nodes_ranks_get_distinct_big_cores() {
+        let xml = fixture("gb10.xml");
+        let discs = [
+            discover_in(&fixture("spark_x2"), HwlocSource::Off).unwrap(),
+            discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap(),
+            // CPU kinds from hwloc rather than sysfs.
+            discover_in(&fixture("spark_nokinds"), HwlocSource::Xml(&xml)).unwrap(),
+        ];
+        for disc in &discs {
+            assert_eq!(disc.cpus.big, GB10_BIG);
+            for count in [1, 2, 4] {
+                // Main threads: unknown; on the CPU each rank would otherwise
+                // take; bound one core each by `mpirun --bind-to core`
+                // (little cores 0..3 on GB10); bound to every big core.
+                let contexts: [&dyn Fn(usize) -> ThreadCpus; 4] = [
+                    &|_| ThreadCpus::default(),
+                    &|i| ThreadCpus {
+                        current: Some(19 - i),
+                        bound: None,
+                    },
+                    &|i| ThreadCpus {
+                        current: Some(i),
+                        bound: Some(vec![i]),
+                    },
+                    &|i| ThreadCpus {
+                        current: Some(GB10_BIG[i]),
+                        bound: Some(GB10_BIG.to_vec()),
+                    },
+                ];
+                for (k, me) in contexts.iter().enumerate() {
+                    let picks = node_picks(disc, count, me);
+                    let cpus: Vec<usize> = picks.iter().map(|p| p.0).collect();
+                    assert!(distinct(&picks), "{count} ranks, context {k}: {cpus:?}");
+                    for (i, (c, s)) in picks.iter().enumerate() {
+                        assert!(GB10_BIG.contains(c), "{count} ranks, context {k}: {cpus:?}");
+                        assert_ne!(Some(*c), me(i).current, "rank {i}: {:#?}", s.notes);
+                        // (spark_x2's narrow link is warned about; CPUs are not.)
+                        let cpu_warnings = s.warnings().filter(|w| w.contains("CPU")).count();
+                        assert_eq!(cpu_warnings, 0, "{:#?}", s.notes);
+                        if count > 1 {
+                            assert!(has_note(s, &format!("local rank {i} of {count}")));
+                        }
+                    }
+                }
+                // Nothing known of the main threads: the best cores, in order.
+                let picks = node_picks(disc, count, |_| ThreadCpus::default());
+                let cpus: Vec<usize> = picks.iter().map(|p| p.0).collect();
+                assert_eq!(cpus, [19, 18, 17, 16][..count]);
+            }
+        }
+    }
+
+    #[test]
+    fn more_ranks_than_big_cores_take_distinct_lesser_cores_then_wrap() {
+        let disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
+        let picks = node_picks(&disc, 12, |_| ThreadCpus::default());
+        assert!(distinct(&picks));
+        for (i, (c, s)) in picks.iter().enumerate() {
+            assert_eq!(GB10_BIG.contains(c), i < 10, "rank {i}: CPU {c}");
+            assert!(has_note(
+                s,
+                "12 ranks on this node, 10 big cores near the NIC"
+            ));
+        }
+        // More local ranks than online CPUs: shares wrap, said as a warning.
+        let picks = node_picks(&disc, 24, |_| ThreadCpus::default());
+        for (i, (c, s)) in picks.iter().enumerate() {
+            if i < 20 {
+                assert!(picks.iter().filter(|p| p.0 == *c).count() <= 2);
+            } else {
+                assert_eq!(*c, picks[i - 20].0, "rank {i} wraps onto rank {}", i - 20);
+            }
+            assert!(
+                s.warnings().any(|w| w.contains("proxies share CPUs")),
+                "{:#?}",
+                s.notes
+            );
+        }
+    }
+
+    #[test]
+    fn proxies_prefer_big_cores_near_the_nic() {
+        let mut disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
+        for d in &mut disc.devices {
+            d.local_cpus = (10..=17).collect(); // big ones near: 15, 16, 17
+        }
+        let picks = node_picks(&disc, 3, |_| ThreadCpus::default());
+        let cpus: Vec<usize> = picks.iter().map(|p| p.0).collect();
+        assert_eq!(cpus, [17, 16, 15]);
+        // A fourth rank: a big core away from the NIC beats a near little one.
+        let picks = node_picks(&disc, 4, |_| ThreadCpus::default());
+        let cpus: Vec<usize> = picks.iter().map(|p| p.0).collect();
+        assert_eq!(cpus, [17, 16, 15, 19]);
+        assert!(has_note(
+            &picks[3].1,
+            "4 ranks on this node, 3 big cores near the NIC"
+        ));
+    }
+
+    #[test]
+    fn proxies_keep_off_the_cpus_of_bound_main_threads() {
+        let disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
+        // Main threads bound to 18 (local rank 0) and 19 (local rank 1): with
+        // only its own binding known, each proxy lands on the other rank's
+        // main thread.
+        let bound = |i: usize| {
+            let c = [18, 19][i];
+            ThreadCpus {
+                current: Some(c),
+                bound: Some(vec![c]),
+            }
+        };
+        let blind = node_picks(&disc, 2, bound);
+        let cpus: Vec<usize> = blind.iter().map(|p| p.0).collect();
+        assert_eq!(cpus, [19, 18]);
+        // Knowing every local rank's binding, they keep off both.
+        let cfg = cfg_with(&[]);
+        let cpus: Vec<usize> = (0..2)
+            .map(|i| {
+                let local = LocalRank {
+                    main_cpus: vec![18, 19],
+                    ..lr(i, 2)
+                };
+                let s = select_from(&disc, &cfg, &bound(i), &local).unwrap();
+                assert!(
+                    has_note(&s, "CPUs 18-19 hold main threads"),
+                    "{:#?}",
+                    s.notes
+                );
+                s.proxy_cpu.unwrap()
+            })
+            .collect();
+        assert_eq!(cpus, [17, 16]);
+        // Too few CPUs without them: proxies may share, and it is said.
+        let local = LocalRank {
+            main_cpus: (0..20).collect(),
+            ..lr(0, 2)
+        };
+        let s = select_from(&disc, &cfg, &ThreadCpus::default(), &local).unwrap();
+        assert!(has_note(&s, "too few CPUs remain"), "{:#?}", s.notes);
+        assert_eq!(s.proxy_cpu, Some(19));
+    }
+
+    #[test]
+    fn local_rank_among_the_node_names() {
+        let hosts = ["a", "b", "a", "a", "b"];
+        let at = |rank| LocalRank::among(&hosts, rank);
+        assert_eq!(at(0), lr(0, 3));
+        assert_eq!(at(1), lr(0, 2));
+        assert_eq!(at(3), lr(2, 3));
+        assert_eq!(at(4), lr(1, 2));
+        assert_eq!(at(5), LocalRank::ALONE);
+        // The override pins every local rank to one CPU: said as a warning.
+        let disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
+        let cfg = cfg_with(&[("ARX_PROXY_CPU", "7")]);
+        let me = ThreadCpus::default();
+        let s = select_from(&disc, &cfg, &me, &lr(1, 2)).unwrap();
+        assert_eq!(s.proxy_cpu, Some(7));
+        assert!(
+            s.warnings().any(|w| w.contains("one CPU")),
+            "{:#?}",
+            s.notes
+        );
+        let s = select_from(&disc, &cfg, &me, &LocalRank::ALONE).unwrap();
+        assert_eq!(s.warnings().count(), 0, "{:#?}", s.notes);
+    }
+
     #[test]
     fn hwloc_xml_supplies_cpu_kinds_and_confirms_roots() {
         let xml = fixture("gb10.xml");
@@ -1760,10 +2133,10 @@ mod tests {
             bound: Some(vec![5, 6, 7, 8, 9, 15, 16, 17, 18, 19]),
         };
         let cfg = cfg_with(&[]);
-        let with = select_in(&root, HwlocSource::Xml(&xml), &cfg, &me).unwrap();
+        let with = select_in(&root, HwlocSource::Xml(&xml), &cfg, &me, &LocalRank::ALONE).unwrap();
         assert_eq!(with.proxy_cpu, Some(18), "{:#?}", with.notes);
         assert_eq!(with.warnings().count(), 0, "{:#?}", with.notes);
-        let without = select_in(&root, HwlocSource::Off, &cfg, &me).unwrap();
+        let without = select_in(&root, HwlocSource::Off, &cfg, &me, &LocalRank::ALONE).unwrap();
         assert_eq!(without.proxy_cpu, Some(14), "{:#?}", without.notes);
         assert_eq!(with.lanes, without.lanes);
     }
@@ -1791,6 +2164,7 @@ mod tests {
             HwlocSource::Xml(&xml),
             &cfg_with(&[]),
             &ThreadCpus::default(),
+            &LocalRank::ALONE,
         )
         .unwrap();
         assert_eq!(s.lanes[0].root, "0000:00:00.0");
@@ -1807,7 +2181,7 @@ mod tests {
         let r = report();
         assert!(r.contains("memlock:"), "{r}");
         if !Path::new("/sys/class/infiniband").exists() {
-            let e = select(&cfg_with(&[])).unwrap_err();
+            let e = select(&cfg_with(&[]), &LocalRank::ALONE).unwrap_err();
             assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
             assert!(r.contains("RDMA devices: none"), "{r}");
         }
@@ -1820,6 +2194,7 @@ mod tests {
             HwlocSource::Xml(Path::new("/nonexistent/topo.xml")),
             &cfg_with(&[]),
             &ThreadCpus::default(),
+            &LocalRank::ALONE,
         )
         .unwrap();
         assert_eq!(names(&s), ["rocep1s0f0", "roceP2p1s0f0"]);
@@ -1849,6 +2224,7 @@ mod tests {
             HwlocSource::Off,
             &cfg_with(&[]),
             &ThreadCpus::default(),
+            &LocalRank::ALONE,
         )
         .unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
@@ -1859,6 +2235,7 @@ mod tests {
             HwlocSource::Off,
             &cfg_with(&[]),
             &ThreadCpus::default(),
+            &LocalRank::ALONE,
         )
         .unwrap_err();
         assert!(matches!(e, Error::Unavailable { .. }), "{e:?}");
@@ -1905,7 +2282,7 @@ mod tests {
             "PCIe 32.0 GT/s PCIe x4",
             "lane 0: rocep1s0f1 port 1 gid index 3",
             "lane 1: roceP2p1s0f1",
-            "proxy CPU: 19",
+            "proxy CPU (a rank alone on its node): 19",
             "too low for 16 ranks",
             "big cores 5-9,15-19",
         ] {
