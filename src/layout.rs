@@ -179,7 +179,7 @@ pub struct Region {
 
 // SAFETY: the region is plain memory whose cross-thread words are accessed
 // only through atomics, and whose data sections are handed over by the
-// release/acquire protocol on those words (see kernels/arx.h).
+// release/acquire protocol on those words (see kernels/arx_abi.h).
 unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}

@@ -1,4 +1,4 @@
-//! The Host device side: the protocol of kernels/arx.h run by the calling
+//! The Host device side: the protocol of kernels/arx_abi.h run by the calling
 //! thread on host slices.
 
 use std::sync::atomic::Ordering;

@@ -354,7 +354,7 @@ impl Fabric for ShmFabric {
                 let r = Layout::lane_range(bytes, lane);
                 // SAFETY: our send slot of parity p is stable until every
                 // peer has our flag for this seq, and the peer reads
-                // recv[p][me] only after that flag (kernels/arx.h, rule 5 of
+                // recv[p][me] only after that flag (kernels/arx_abi.h, rule 5 of
                 // DESIGN.md): nothing else touches either range now.
                 unsafe { mine.copy_to(src + r.start, peer, dst + r.start, r.len()) };
                 // Release: the copy above is visible before the flag.
