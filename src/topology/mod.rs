@@ -32,6 +32,8 @@
 //!   the netdev MTU less 96 bytes of RoCE headers; 4200 → 4096, 1500 → 1024).
 //!   The Verbs fabric should still prefer `ibv_query_port` where it can.
 
+mod hwloc;
+
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::fs;
@@ -39,7 +41,6 @@ use std::path::Path;
 
 use crate::config::{Config, Overrides};
 use crate::error::{Error, Result};
-use crate::hwloc_io;
 
 /// One lane's device, as chosen.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -701,8 +702,8 @@ pub fn discover_in(sysfs_root: &Path, hwloc: HwlocSource<'_>) -> Result<Discover
 
     let hw = match hwloc {
         HwlocSource::Off => None,
-        HwlocSource::Live => Some(hwloc_io::load(None)),
-        HwlocSource::Xml(p) => Some(hwloc_io::load(Some(p))),
+        HwlocSource::Live => Some(hwloc::load(None)),
+        HwlocSource::Xml(p) => Some(hwloc::load(Some(p))),
     };
     let hw = match hw {
         None => {
@@ -1447,7 +1448,7 @@ pub fn memlock_needed(slot_bytes: usize, world: usize) -> usize {
 
 /// Fails with an explanation when RLIMIT_MEMLOCK is below `needed` bytes.
 pub fn check_memlock(needed: usize) -> Result<()> {
-    let (soft, hard) = hwloc_io::memlock_limit().map_err(|e| Error::Os {
+    let (soft, hard) = hwloc::memlock_limit().map_err(|e| Error::Os {
         call: "getrlimit(RLIMIT_MEMLOCK)",
         object: "this process".into(),
         detail: e,
@@ -1475,7 +1476,7 @@ pub fn report() -> String {
             Err(e) => return format!("{s}cannot build default settings: {e}\n"),
         },
     };
-    let memlock = hwloc_io::memlock_limit();
+    let memlock = hwloc::memlock_limit();
     s.push_str(&report_in(
         Path::new("/"),
         HwlocSource::Live,
@@ -1520,8 +1521,8 @@ pub fn report_in(
             let _ = writeln!(s, "RDMA devices: none ({e})");
             let hw = match hwloc {
                 HwlocSource::Off => return s,
-                HwlocSource::Live => hwloc_io::load(None),
-                HwlocSource::Xml(p) => hwloc_io::load(Some(p)),
+                HwlocSource::Live => hwloc::load(None),
+                HwlocSource::Xml(p) => hwloc::load(Some(p)),
             };
             match hw {
                 Ok(t) => {
