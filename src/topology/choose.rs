@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 
 use super::gid::resolve_gid;
 use super::sysfs::parse_gts;
-use super::{DeviceInfo, LaneDevice, PciLink, WARN};
+use super::{DeviceInfo, Discovery, LaneDevice, PciLink, WARN};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -32,14 +32,14 @@ fn describe_ports(d: &DeviceInfo) -> String {
         .join(", ")
 }
 
-pub(super) fn describe_found(devs: &[DeviceInfo]) -> String {
+fn describe_found(devs: &[DeviceInfo]) -> String {
     devs.iter()
         .map(|d| format!("{} (root {}, {})", d.name, d.root, describe_ports(d)))
         .collect::<Vec<_>>()
         .join("; ")
 }
 
-pub(super) fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Result<LaneDevice> {
+fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Result<LaneDevice> {
     let Some(port) = d.active_port() else {
         return Err(Error::Topology(format!(
             "{} has no ACTIVE port ({}); cable it or bring the link up (ip link set <netdev> up)",
@@ -75,7 +75,7 @@ pub(super) fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Res
 
 /// Chooses the lane devices among `devs` (without overrides), counting a
 /// device as up when `up` says so.
-pub(super) fn choose_devices<'a>(
+fn choose_devices<'a>(
     devs: &'a [DeviceInfo],
     notes: &mut Vec<String>,
     up: &dyn Fn(&DeviceInfo) -> bool,
@@ -154,6 +154,98 @@ pub(super) fn choose_devices<'a>(
     };
     notes.push(format!("{WARN}{why}"));
     Ok(vec![d, d])
+}
+
+/// The lane devices of a [`Discovery`]: the ones `ARX_DEVICES` names, else
+/// function k of two PCIe roots (see [`choose_devices`]), preferring a port
+/// that is addressed on both roots over one that is merely ACTIVE.
+pub(super) fn lane_devices<'a>(
+    disc: &'a Discovery,
+    cfg: &Config,
+    notes: &mut Vec<String>,
+) -> Result<Vec<&'a DeviceInfo>> {
+    match &cfg.devices {
+        Some(names) => {
+            if names.is_empty() || names.len() > 2 {
+                return Err(Error::Topology(format!(
+                    "ARX_DEVICES must name one or two RDMA devices, got {names:?}"
+                )));
+            }
+            let mut v = Vec::new();
+            for n in names {
+                let Some(d) = disc.devices.iter().find(|d| &d.name == n) else {
+                    return Err(Error::Topology(format!(
+                        "ARX_DEVICES names {n}, which does not exist (found: {}); fix or \
+                         unset ARX_DEVICES",
+                        describe_found(&disc.devices)
+                    )));
+                };
+                v.push(d);
+            }
+            if v.len() == 1 {
+                v.push(v[0]);
+            }
+            notes.push(format!(
+                "lanes from ARX_DEVICES (override): {} + {}",
+                v[0].name, v[1].name
+            ));
+            if v[0].name != v[1].name && v[0].root == v[1].root {
+                notes.push(format!(
+                    "{WARN}ARX_DEVICES: {} and {} share PCIe root {}; both lanes share one link",
+                    v[0].name, v[1].name, v[0].root
+                ));
+            }
+            Ok(v)
+        }
+        None => {
+            // Prefer a port that is ACTIVE and addressed (has the GID the
+            // lane needs) on two roots; failing that, a port ACTIVE on two
+            // roots, so that a missing address is reported as such rather
+            // than silently halving the bandwidth; then one root.
+            let addressed = |d: &DeviceInfo| {
+                d.active_port()
+                    .is_some_and(|p| resolve_gid(d, p, cfg, &mut Vec::new()).is_ok())
+            };
+            let active = |d: &DeviceInfo| d.active_port().is_some();
+            let two = |r: &Result<Vec<&DeviceInfo>>| {
+                r.as_ref()
+                    .is_ok_and(|v| v.len() == 2 && v[0].name != v[1].name)
+            };
+            let (mut n1, mut n2) = (Vec::new(), Vec::new());
+            let by_gid = choose_devices(&disc.devices, &mut n1, &addressed);
+            let by_link = choose_devices(&disc.devices, &mut n2, &active);
+            let (r, n) = if two(&by_gid) || (!two(&by_link) && by_gid.is_ok()) {
+                (by_gid, n1)
+            } else {
+                (by_link, n2)
+            };
+            notes.extend(n);
+            r
+        }
+    }
+}
+
+/// Each chosen device's lane (a device chosen twice gives one lane twice).
+pub(super) fn lanes_on(
+    chosen: &[&DeviceInfo],
+    cfg: &Config,
+    notes: &mut Vec<String>,
+) -> Result<Vec<LaneDevice>> {
+    let mut lanes = Vec::with_capacity(2);
+    for d in chosen {
+        if let Some(l) = lanes.iter().find(|l: &&LaneDevice| l.name == d.name) {
+            lanes.push(l.clone());
+            continue;
+        }
+        lanes.push(lane(d, cfg, notes)?);
+    }
+    if lanes[0].active_mtu != lanes[1].active_mtu {
+        notes.push(format!(
+            "{WARN}lane MTUs differ ({} {} vs {} {})",
+            lanes[0].name, lanes[0].active_mtu, lanes[1].name, lanes[1].active_mtu
+        ));
+    }
+    Ok(lanes)
 }
 
 pub(super) fn pcie_notes(lanes: &[&DeviceInfo], notes: &mut Vec<String>) {

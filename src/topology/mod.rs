@@ -45,7 +45,7 @@ mod test_util;
 use std::path::Path;
 
 use crate::config::Config;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 pub use cpu::pin_current_thread;
 pub use gid::format_gid;
@@ -53,9 +53,8 @@ pub use memlock::{check_memlock, memlock_needed};
 pub use report::{report, report_in};
 pub use sysfs::discover_in;
 
-use choose::{choose_devices, describe_found, lane, pcie_notes};
+use choose::{lane_devices, lanes_on, pcie_notes};
 use cpu::choose_proxy_cpu;
-use gid::resolve_gid;
 use sysfs::{parse_bdf, parse_gts};
 
 /// One lane's device, as chosen.
@@ -379,79 +378,8 @@ pub fn select_from(
     local: &LocalRank,
 ) -> Result<Selection> {
     let mut notes = disc.notes.clone();
-    let chosen: Vec<&DeviceInfo> = match &cfg.devices {
-        Some(names) => {
-            if names.is_empty() || names.len() > 2 {
-                return Err(Error::Topology(format!(
-                    "ARX_DEVICES must name one or two RDMA devices, got {names:?}"
-                )));
-            }
-            let mut v = Vec::new();
-            for n in names {
-                let Some(d) = disc.devices.iter().find(|d| &d.name == n) else {
-                    return Err(Error::Topology(format!(
-                        "ARX_DEVICES names {n}, which does not exist (found: {}); fix or \
-                         unset ARX_DEVICES",
-                        describe_found(&disc.devices)
-                    )));
-                };
-                v.push(d);
-            }
-            if v.len() == 1 {
-                v.push(v[0]);
-            }
-            notes.push(format!(
-                "lanes from ARX_DEVICES (override): {} + {}",
-                v[0].name, v[1].name
-            ));
-            if v[0].name != v[1].name && v[0].root == v[1].root {
-                notes.push(format!(
-                    "{WARN}ARX_DEVICES: {} and {} share PCIe root {}; both lanes share one link",
-                    v[0].name, v[1].name, v[0].root
-                ));
-            }
-            v
-        }
-        None => {
-            // Prefer a port that is ACTIVE and addressed (has the GID the
-            // lane needs) on two roots; failing that, a port ACTIVE on two
-            // roots, so that a missing address is reported as such rather
-            // than silently halving the bandwidth; then one root.
-            let addressed = |d: &DeviceInfo| {
-                d.active_port()
-                    .is_some_and(|p| resolve_gid(d, p, cfg, &mut Vec::new()).is_ok())
-            };
-            let active = |d: &DeviceInfo| d.active_port().is_some();
-            let two = |r: &Result<Vec<&DeviceInfo>>| {
-                r.as_ref()
-                    .is_ok_and(|v| v.len() == 2 && v[0].name != v[1].name)
-            };
-            let (mut n1, mut n2) = (Vec::new(), Vec::new());
-            let by_gid = choose_devices(&disc.devices, &mut n1, &addressed);
-            let by_link = choose_devices(&disc.devices, &mut n2, &active);
-            let (r, n) = if two(&by_gid) || (!two(&by_link) && by_gid.is_ok()) {
-                (by_gid, n1)
-            } else {
-                (by_link, n2)
-            };
-            notes.extend(n);
-            r?
-        }
-    };
-    let mut lanes = Vec::with_capacity(2);
-    for d in &chosen {
-        if let Some(l) = lanes.iter().find(|l: &&LaneDevice| l.name == d.name) {
-            lanes.push(l.clone());
-            continue;
-        }
-        lanes.push(lane(d, cfg, &mut notes)?);
-    }
-    if lanes[0].active_mtu != lanes[1].active_mtu {
-        notes.push(format!(
-            "{WARN}lane MTUs differ ({} {} vs {} {})",
-            lanes[0].name, lanes[0].active_mtu, lanes[1].name, lanes[1].active_mtu
-        ));
-    }
+    let chosen = lane_devices(disc, cfg, &mut notes)?;
+    let lanes = lanes_on(&chosen, cfg, &mut notes)?;
     pcie_notes(&chosen, &mut notes);
     let proxy_cpu = choose_proxy_cpu(disc, &chosen, cfg, me, local, &mut notes);
     for n in notes.iter().filter(|n| n.starts_with(WARN)) {
