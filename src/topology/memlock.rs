@@ -1,7 +1,6 @@
 //! RLIMIT_MEMLOCK: about how much RDMA registration locks, and a check whose
 //! error says how to raise the limit (shell, containers, Slurm).
 
-use super::hwloc;
 use crate::error::{Error, Result};
 
 pub(super) fn human(b: u64) -> String {
@@ -45,12 +44,36 @@ pub fn memlock_needed(slot_bytes: usize, world: usize) -> usize {
 
 /// Fails with an explanation when RLIMIT_MEMLOCK is below `needed` bytes.
 pub fn check_memlock(needed: usize) -> Result<()> {
-    let (soft, hard) = hwloc::memlock_limit().map_err(|e| Error::Os {
+    let (soft, hard) = memlock_limit().map_err(|e| Error::Os {
         call: "getrlimit(RLIMIT_MEMLOCK)",
         object: "this process".into(),
         detail: e,
     })?;
     check_memlock_with(needed, soft, hard)
+}
+
+/// `getrlimit(RLIMIT_MEMLOCK)`: (soft, hard) in bytes, `u64::MAX` for
+/// unlimited.
+pub(super) fn memlock_limit() -> Result<(u64, u64), String> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid, writable rlimit for the duration of the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // rlim_t is u64 on Linux targets, but not by definition.
+    #[allow(clippy::unnecessary_cast)]
+    let conv = |v: libc::rlim_t| {
+        if v == libc::RLIM_INFINITY {
+            u64::MAX
+        } else {
+            v as u64
+        }
+    };
+    Ok((conv(r.rlim_cur), conv(r.rlim_max)))
 }
 
 #[cfg(test)]
@@ -74,5 +97,11 @@ mod tests {
         assert!(check_memlock_with(64 << 20, u64::MAX, u64::MAX).is_ok());
         assert!(check_memlock_with(64 << 20, 64 << 20, 64 << 20).is_ok());
         assert!(check_memlock(0).is_ok());
+    }
+
+    #[test]
+    fn memlock_limit_reads() {
+        let (soft, hard) = memlock_limit().unwrap();
+        assert!(soft <= hard);
     }
 }

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use super::memlock::{check_memlock_with, human, memlock_needed};
+use super::memlock::{check_memlock_with, human, memlock_limit, memlock_needed};
 use super::sysfs::format_cpulist;
 use super::{discover_in, format_gid, hwloc, select_from, HwlocSource, LocalRank, ThreadCpus};
 use crate::config::{Config, Overrides};
@@ -27,7 +27,7 @@ pub fn report() -> String {
             Err(e) => return format!("{s}cannot build default settings: {e}\n"),
         },
     };
-    let memlock = hwloc::memlock_limit();
+    let memlock = memlock_limit();
     s.push_str(&report_in(
         Path::new("/"),
         HwlocSource::Live,
