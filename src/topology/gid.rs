@@ -8,27 +8,6 @@ use super::{DeviceInfo, GidEntry, PortInfo, WARN};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
-/// Formats a GID as sysfs does, with an IPv4 suffix when IPv4-mapped.
-pub fn format_gid(g: &[u8; 16]) -> String {
-    let mut s = String::new();
-    for i in 0..8 {
-        if i > 0 {
-            s.push(':');
-        }
-        let _ = write!(s, "{:02x}{:02x}", g[2 * i], g[2 * i + 1]);
-    }
-    let e = GidEntry {
-        index: 0,
-        gid: *g,
-        kind: None,
-        ndev: None,
-    };
-    if e.is_ipv4_mapped() {
-        let _ = write!(s, " ({}.{}.{}.{})", g[12], g[13], g[14], g[15]);
-    }
-    s
-}
-
 /// Resolves the GID of `d`'s port `port`, per device.
 pub(super) fn resolve_gid(
     d: &DeviceInfo,
@@ -136,6 +115,27 @@ pub(super) fn resolve_gid(
             .unwrap_or("the netdev"),
         d.netdevs.first().map(String::as_str).unwrap_or("<netdev>"),
     )))
+}
+
+/// Formats a GID as sysfs does, with an IPv4 suffix when IPv4-mapped.
+pub fn format_gid(g: &[u8; 16]) -> String {
+    let mut s = String::new();
+    for i in 0..8 {
+        if i > 0 {
+            s.push(':');
+        }
+        let _ = write!(s, "{:02x}{:02x}", g[2 * i], g[2 * i + 1]);
+    }
+    let e = GidEntry {
+        index: 0,
+        gid: *g,
+        kind: None,
+        ndev: None,
+    };
+    if e.is_ipv4_mapped() {
+        let _ = write!(s, " ({}.{}.{}.{})", g[12], g[13], g[14], g[15]);
+    }
+    s
 }
 
 #[cfg(test)]

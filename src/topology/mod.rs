@@ -5,6 +5,19 @@
 //! netdev, reads MTU and PCIe link, checks RLIMIT_MEMLOCK, and chooses the
 //! proxy's core.
 //!
+//! # Where each part lives
+//!
+//! * `sysfs.rs`: discovery, [`discover_in`]: devices, ports, GIDs, PCIe links
+//!   and CPUs from sysfs, completed and cross-checked by hwloc (`hwloc.rs`,
+//!   the hwloc FFI).
+//! * `gid.rs`: the GID choice, per device.
+//! * `choose.rs`: which devices carry the two lanes; PCIe link warnings.
+//! * `cpu.rs`: the proxy's CPU per local rank; [`pin_current_thread`].
+//! * `memlock.rs`: [`memlock_needed`], [`check_memlock`].
+//! * `report.rs`: [`report`], what `examples/doctor` prints.
+//! * `mod.rs`: the types, and [`select`], which runs discovery, the lane
+//!   choice and the proxy CPU choice in turn.
+//!
 //! # Sources of truth
 //!
 //! sysfs (`/sys/class/infiniband`, the PCI device directories, `/sys/class/net`)

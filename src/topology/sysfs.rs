@@ -11,13 +11,6 @@ use super::{
 };
 use crate::error::{Error, Result};
 
-pub(super) fn parse_gts(s: &str) -> f32 {
-    s.split_whitespace()
-        .next()
-        .and_then(|t| t.parse::<f32>().ok())
-        .unwrap_or(0.0)
-}
-
 fn read_trim(p: &Path) -> Option<String> {
     fs::read_to_string(p).ok().map(|s| s.trim().to_string())
 }
@@ -53,6 +46,14 @@ pub(super) fn parse_bdf(s: &str) -> Option<(u32, u32, u32, u32)> {
     ))
 }
 
+/// A PCIe link speed (`32.0 GT/s PCIe`) in GT/s per lane (0 if unparsable).
+pub(super) fn parse_gts(s: &str) -> f32 {
+    s.split_whitespace()
+        .next()
+        .and_then(|t| t.parse::<f32>().ok())
+        .unwrap_or(0.0)
+}
+
 fn parse_gid(s: &str) -> Option<[u8; 16]> {
     let mut out = [0u8; 16];
     let groups: Vec<&str> = s.trim().split(':').collect();
@@ -67,7 +68,7 @@ fn parse_gid(s: &str) -> Option<[u8; 16]> {
 }
 
 /// Parses a kernel CPU list (`0-4,10-14`).
-pub(super) fn parse_cpulist(s: &str) -> Vec<usize> {
+fn parse_cpulist(s: &str) -> Vec<usize> {
     let mut v = Vec::new();
     for part in s.trim().split(',').filter(|p| !p.is_empty()) {
         match part.split_once('-') {
