@@ -26,7 +26,7 @@ fn main() {
 }
 
 // ---------------------------------------------------------------------------
-// hwloc: the I/O-object and CPU-kind subset of <hwloc.h> for src/hwloc_io.rs.
+// hwloc: the I/O-object and CPU-kind subset of <hwloc.h> for src/topology/hwloc.rs.
 //
 // The hwloc2 crate (kept for thread binding) cannot see PCI or OS devices, so
 // topology binds the few hwloc calls it needs itself. Only exported functions

@@ -178,7 +178,6 @@ mod device;
 mod dtype;
 mod error;
 mod fabric;
-mod hwloc_io;
 mod layout;
 mod proxy;
 mod spin;
