@@ -1,4 +1,4 @@
-//! Build script: turns `kernels/arx.h` (the ABI shared with the CUDA kernels)
+//! Build script: turns `kernels/arx_abi.h` (the ABI shared with the CUDA kernels)
 //! into Rust with bindgen, so that both languages read one definition.
 
 use std::env;
@@ -6,12 +6,11 @@ use std::path::PathBuf;
 
 fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    println!("cargo:rerun-if-changed=kernels/arx.h");
-    println!("cargo:rerun-if-changed=kernels/arx.cu");
+    println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-changed=build.rs");
 
     bindgen::Builder::default()
-        .header("kernels/arx.h")
+        .header("kernels/arx_abi.h")
         .allowlist_type("arx_.*")
         .allowlist_var("ARX_.*")
         .derive_default(true)
@@ -19,7 +18,7 @@ fn main() {
         .layout_tests(true)
         .use_core()
         .generate()
-        .expect("bindgen failed on kernels/arx.h (is libclang installed? apt install libclang1-14 libclang-common-14-dev)")
+        .expect("bindgen failed on kernels/arx_abi.h (is libclang installed? apt install libclang1-14 libclang-common-14-dev)")
         .write_to_file(out.join("abi.rs"))
         .expect("cannot write abi.rs");
 
@@ -27,13 +26,13 @@ fn main() {
 }
 
 // ---------------------------------------------------------------------------
-// hwloc: the I/O-object and CPU-kind subset of <hwloc.h> for src/hwloc_io.rs.
+// hwloc: the I/O-object and CPU-kind subset of <hwloc.h> for src/topology/hwloc.rs.
 //
 // The hwloc2 crate (kept for thread binding) cannot see PCI or OS devices, so
 // topology binds the few hwloc calls it needs itself. Only exported functions
 // are bound (no static inlines, so no `wrap_static_fns` and no C shim to
 // compile). libhwloc is linked through pkg-config; CPU kinds need hwloc 2.4.
-// apt: libhwloc-dev (plus libclang for bindgen, as for kernels/arx.h).
+// apt: libhwloc-dev (plus libclang for bindgen, as for kernels/arx_abi.h).
 // ---------------------------------------------------------------------------
 fn hwloc_bindings(out: &std::path::Path) {
     let lib = pkg_config::Config::new()

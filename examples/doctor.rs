@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
+use arx::topology::{LocalRank, ThreadCpus};
 use arx::{Arx, Config, Element};
 use clap::Parser;
 use half::{bf16, f16};
@@ -241,10 +242,11 @@ fn cuda(r: &mut Report) {
     }
 }
 
-/// Prints the selection; returns the selection error, if any (a problem
-/// unless the job turns out to run on the shm fabric).
-fn selection(r: &mut Report, cfg: &Config) -> Option<String> {
-    match arx::topology::select(cfg) {
+/// Prints the selection for this rank's place on its node (which decides
+/// its proxy core); returns the selection error, if any (a problem unless
+/// the job turns out to run on the shm fabric).
+fn selection(r: &mut Report, cfg: &Config, local: &LocalRank) -> Option<String> {
+    match arx::topology::select(cfg, local) {
         Ok(sel) => {
             r.line("chosen lanes:");
             for (l, d) in sel.lanes.iter().enumerate() {
@@ -277,11 +279,16 @@ fn selection(r: &mut Report, cfg: &Config) -> Option<String> {
                 );
             }
             r.line(format!(
-                "proxy core: {}",
+                "proxy core: {}, for local rank {} of {} on this node",
                 sel.proxy_cpu
-                    .map_or("not pinned".to_string(), |c| format!("CPU {c}"))
+                    .map_or("not pinned".to_string(), |c| format!("CPU {c}")),
+                local.index,
+                local.count
             ));
-            for n in &sel.notes {
+            if let Some(why) = sel.notes.iter().find(|n| n.starts_with("proxy CPU")) {
+                r.line(format!("  because: {why}"));
+            }
+            for n in sel.notes.iter().filter(|n| !n.starts_with("proxy CPU")) {
                 r.line(format!("  why: {n}"));
             }
             for w in sel.warnings() {
@@ -407,7 +414,25 @@ fn main() -> ExitCode {
     for l in arx::topology::report().lines() {
         r.line(format!("topology: {l}"));
     }
-    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c));
+    // The ranks sharing this node (and its memory): each rank's proxy gets
+    // its own core among them.
+    // Main threads bound to one CPU each are left to them, as arx does.
+    let node = world.split_shared(rank as i32);
+    let sole = ThreadCpus::of_current_thread()
+        .sole_cpu()
+        .map_or(u64::MAX, |c| c as u64);
+    let mut mains = vec![0u64; node.size() as usize];
+    node.all_gather_into(&sole, &mut mains[..]);
+    let local = LocalRank {
+        index: node.rank() as usize,
+        count: node.size() as usize,
+        main_cpus: mains
+            .iter()
+            .filter(|&&c| c != u64::MAX)
+            .map(|&c| c as usize)
+            .collect(),
+    };
+    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c, &local));
     memlock(&mut r);
     cuda(&mut r);
 

@@ -67,8 +67,39 @@ pub(crate) fn describe_call(code: u32, count: usize) -> String {
     }
 }
 
-/// An element type arx can all-reduce.
-pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+mod sealed {
+    /// Implemented for exactly the types arx reduces; private, so that no
+    /// other crate can implement [`Element`](super::Element).
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for f32 {}
+}
+
+/// An element type arx can all-reduce: `bf16`, `f16` (the `half` crate) and
+/// `f32`.
+///
+/// Sealed: arx reads `count × DTYPE.size()` bytes from a `[T]` of `count`
+/// elements and hands the kernels `T`'s bits as `DTYPE`, so an impl with a
+/// wrong `DTYPE` (say `u8` claiming `F32`) would read past the caller's
+/// buffer. Only arx implements it:
+///
+/// ```compile_fail,E0277
+/// #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+/// #[repr(transparent)]
+/// struct Byte(u8);
+///
+/// impl arx::Element for Byte {
+///     const DTYPE: arx::Dtype = arx::Dtype::F32;
+///     fn to_f32(self) -> f32 {
+///         f32::from(self.0)
+///     }
+///     fn from_f32(v: f32) -> Self {
+///         Byte(v as u8)
+///     }
+/// }
+/// ```
+pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
     /// Its dtype.
     const DTYPE: Dtype;
     /// Widens to f32 exactly.
@@ -178,38 +209,65 @@ impl Element for f32 {
 }
 
 /// Sums `world` partials element-wise into `out` by the arx rule (fp32
-/// accumulator, rank order, one rounding). `part(r)` is rank r's partial as
-/// raw bytes of at least `out.len()` elements. Works in blocks with the
-/// accumulator on the stack: no allocation on the call path, and each
-/// element still sees exactly `((p0 + p1) + p2) + …`.
-pub(crate) fn sum_in_rank_order<'a, T: Element>(
+/// accumulator, rank order, one rounding): each element is
+/// `((p0 + p1) + p2) + …` exactly, rank 0's value included as the first
+/// operand. (An accumulator that started at +0.0 would turn an all −0.0
+/// input into +0.0.)
+///
+/// `part(r, at, dst)` copies `dst.len()` bytes of rank r's partial, from its
+/// byte `at`, into `dst`: partials live in memory that peers, a NIC or a GPU
+/// write, which must not be seen through a `&[u8]` (see
+/// `Region::read_into`). Works in blocks on the stack: no allocation on the
+/// call path.
+pub(crate) fn sum_in_rank_order<T: Element>(
     world: usize,
-    part: impl Fn(usize) -> &'a [u8],
+    part: impl Fn(usize, usize, &mut [u8]),
     out: &mut [T],
 ) {
     const BLOCK: usize = 512;
     let size = std::mem::size_of::<T>();
     let mut acc = [0.0f32; BLOCK];
     let mut wide = [0.0f32; BLOCK];
+    // One block of raw partial bytes, f32-aligned so that `half`'s slice
+    // conversions take their vector path.
+    let mut raw = [0.0f32; BLOCK];
     for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
-        let base = b * BLOCK * size;
+        let at = b * BLOCK * size;
         let n = chunk.len();
-        let acc = &mut acc[..n];
-        let wide = &mut wide[..n];
-        acc.fill(0.0);
+        let len = std::mem::size_of_val(chunk);
         for r in 0..world {
-            T::widen(&part(r)[base..base + std::mem::size_of_val(chunk)], wide);
-            for (a, w) in acc.iter_mut().zip(wide.iter()) {
-                *a += *w;
+            let dst = if r == 0 {
+                &mut acc[..n]
+            } else {
+                &mut wide[..n]
+            };
+            if T::DTYPE == Dtype::F32 {
+                // f32 widens to itself: copy straight into place (sealed:
+                // only `f32` has this dtype).
+                part(r, at, bytemuck::cast_slice_mut(dst));
+            } else {
+                let bytes = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut raw)[..len];
+                part(r, at, bytes);
+                T::widen(bytes, dst);
+            }
+            if r > 0 {
+                for (a, w) in acc[..n].iter_mut().zip(&wide[..n]) {
+                    *a += *w;
+                }
             }
         }
-        T::narrow(acc, chunk);
+        T::narrow(&acc[..n], chunk);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `part` over byte slices, one per rank.
+    fn from_slices<P: AsRef<[u8]>>(parts: &[P]) -> impl Fn(usize, usize, &mut [u8]) + '_ {
+        |r, at, dst| dst.copy_from_slice(&parts[r].as_ref()[at..at + dst.len()])
+    }
 
     #[test]
     fn codes_round_trip() {
@@ -228,13 +286,137 @@ mod tests {
         let c = (-1e8f32).to_le_bytes();
         let mut out = [0f32; 1];
         let p = [&a[..], &c[..], &b[..]];
-        sum_in_rank_order::<f32>(3, |r| p[r], &mut out);
+        sum_in_rank_order::<f32>(3, from_slices(&p), &mut out);
         assert_eq!(out[0], 1.0);
         let mut out2 = [0f32; 1];
         let p2 = [&b[..], &a[..], &c[..]];
-        sum_in_rank_order::<f32>(3, |r| p2[r], &mut out2);
+        sum_in_rank_order::<f32>(3, from_slices(&p2), &mut out2);
         assert_eq!(out2[0], 0.0);
         assert_ne!(out[0], out2[0]);
+    }
+
+    /// Sums one element per rank, `vals[r]` on rank r, through
+    /// `sum_in_rank_order`, the inputs converted by the `half` crate.
+    fn one_sum<T: Element>(vals: &[f32], conv: fn(f32) -> T) -> T {
+        let parts: Vec<Vec<u8>> = vals
+            .iter()
+            .map(|v| bytemuck::bytes_of(&conv(*v)).to_vec())
+            .collect();
+        let mut out = [conv(7.0); 1];
+        sum_in_rank_order(vals.len(), from_slices(&parts), &mut out);
+        out[0]
+    }
+
+    /// The documented sum `((p0 + p1) + p2) + …` for signed zeros, infinities
+    /// and NaN, on every dtype. The expectations are written out by hand
+    /// (IEEE 754: x + y is -0 only when both are -0), not computed by the
+    /// code under test.
+    #[test]
+    fn signed_zeros_inf_and_nan_follow_the_rank_order_sum() {
+        let (pz, nz, inf) = (0.0f32, -0.0f32, f32::INFINITY);
+        // (inputs, expected f32 sum written out by hand)
+        let cases: &[(&[f32], f32)] = &[
+            (&[nz], nz),
+            (&[nz, nz], nz),
+            (&[nz, nz, nz], nz),
+            (&[nz, nz, nz, nz, nz, nz, nz, nz], nz),
+            (&[nz, pz], pz),
+            (&[pz, nz], pz),
+            (&[nz, nz, pz], pz),
+            (&[pz, nz, nz], pz),
+            (&[nz, 1.5], 1.5),
+            (&[1.5, -1.5], pz), // x - x is +0 in round-to-nearest
+            (&[1.5, -1.5, nz], pz),
+            (&[inf, 1.0], inf),
+            (&[-inf, nz, -inf], -inf),
+            (&[2.0, inf, -2.0], inf),
+        ];
+        for &(vals, want) in cases {
+            let f = one_sum::<f32>(vals, |v| v);
+            assert_eq!(f.to_bits(), want.to_bits(), "f32 {vals:?}: got {f:?}");
+            let b = one_sum::<bf16>(vals, bf16::from_f32);
+            assert_eq!(
+                b.to_bits(),
+                bf16::from_f32(want).to_bits(),
+                "bf16 {vals:?}: got {b:?}"
+            );
+            let h = one_sum::<f16>(vals, f16::from_f32);
+            assert_eq!(
+                h.to_bits(),
+                f16::from_f32(want).to_bits(),
+                "f16 {vals:?}: got {h:?}"
+            );
+        }
+        let nan_cases: &[&[f32]] = &[
+            &[f32::NAN],
+            &[1.0, f32::NAN, 2.0],
+            &[nz, f32::NAN],
+            &[inf, -inf],
+            &[inf, nz, -inf, 1.0],
+        ];
+        for &vals in nan_cases {
+            assert!(one_sum::<f32>(vals, |v| v).is_nan(), "f32 {vals:?}");
+            assert!(
+                one_sum::<bf16>(vals, bf16::from_f32).is_nan(),
+                "bf16 {vals:?}"
+            );
+            assert!(one_sum::<f16>(vals, f16::from_f32).is_nan(), "f16 {vals:?}");
+        }
+        // Overflow of the narrow types happens at the one rounding: bf16 and
+        // f16 maxima summed in f32 exceed them (and f32's own maximum).
+        assert_eq!(
+            one_sum::<f16>(&[65504.0, 65504.0], f16::from_f32),
+            f16::INFINITY
+        );
+        assert_eq!(one_sum::<f32>(&[f32::MAX, f32::MAX], |v| v), inf);
+        let bmax = bf16::MAX.to_f32();
+        assert_eq!(
+            one_sum::<bf16>(&[bmax, bmax], bf16::from_f32),
+            bf16::INFINITY
+        );
+        // In f16, 65504 + 8 rounds back to 65504 but 65504 + 8 + 8 = 65520
+        // rounds (to even) to infinity: the sum is rounded once, at the end.
+        assert_eq!(
+            one_sum::<f16>(&[65504.0, 8.0, 8.0], f16::from_f32),
+            f16::INFINITY
+        );
+        assert_eq!(f16::from_f32(65504.0 + 8.0), f16::MAX);
+    }
+
+    /// Many blocks, an odd tail, and every rank's bytes at the right offset:
+    /// each element against `(p0 + p1) + p2` written out per element.
+    #[test]
+    fn every_element_of_every_block_is_summed() {
+        let n = 512 * 3 + 77;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1000.0
+        };
+        let p: Vec<Vec<f32>> = (0..3).map(|_| (0..n).map(|_| next()).collect()).collect();
+        let want = |i: usize| (p[0][i] + p[1][i]) + p[2][i];
+        let bytes: Vec<Vec<u8>> = p.iter().map(|v| bytemuck::cast_slice(v).to_vec()).collect();
+        let mut out = vec![f32::NAN; n];
+        sum_in_rank_order(3, from_slices(&bytes), &mut out);
+        for (i, o) in out.iter().enumerate() {
+            assert_eq!(o.to_bits(), want(i).to_bits(), "f32 element {i}");
+        }
+        let hb: Vec<Vec<bf16>> = p
+            .iter()
+            .map(|v| v.iter().map(|&f| bf16::from_f32(f)).collect())
+            .collect();
+        let bytes: Vec<Vec<u8>> = hb
+            .iter()
+            .map(|v| bytemuck::cast_slice(v).to_vec())
+            .collect();
+        let mut out = vec![bf16::NAN; n];
+        sum_in_rank_order(3, from_slices(&bytes), &mut out);
+        for (i, o) in out.iter().enumerate() {
+            let e = (hb[0][i].to_f32() + hb[1][i].to_f32()) + hb[2][i].to_f32();
+            assert_eq!(o.to_bits(), bf16::from_f32(e).to_bits(), "bf16 element {i}");
+        }
     }
 
     #[test]
@@ -276,9 +458,8 @@ mod tests {
             bf16::from_f32(0.00390625),
         ];
         let parts: Vec<Vec<u8>> = x.iter().map(|v| bytemuck::bytes_of(v).to_vec()).collect();
-        let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
         let mut out = [bf16::ZERO; 1];
-        sum_in_rank_order(3, |r| refs[r], &mut out);
+        sum_in_rank_order(3, from_slices(&parts), &mut out);
         assert_eq!(out[0], bf16::from_f32(1.0 + 0.00390625 + 0.00390625));
         // Rounding after every step would have lost both small terms.
         let stepwise = bf16::from_f32(bf16::from_f32(1.0 + 0.00390625).to_f32() + 0.00390625);

@@ -179,7 +179,7 @@ pub struct Region {
 
 // SAFETY: the region is plain memory whose cross-thread words are accessed
 // only through atomics, and whose data sections are handed over by the
-// release/acquire protocol on those words (see kernels/arx.h).
+// release/acquire protocol on those words (see kernels/arx_abi.h).
 unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
@@ -259,24 +259,69 @@ impl Region {
     }
 
     /// Copies `src` into the region at `off`.
-    pub(crate) fn write(&self, off: usize, src: &[u8]) {
+    ///
+    /// # Safety
+    /// Nothing else in this process may access bytes `off..off + src.len()`
+    /// during the copy, and `src` must not point into them: the caller owns
+    /// that range for now by the protocol (this rank's send slot of parity
+    /// `p` between the end of call `seq - 2` and the publication of `seq`;
+    /// a peer's receive slot `recv[p][me]` while this rank's proxy posts
+    /// `seq`, which the peer reads only after the flag that follows).
+    /// Peers, the NIC and the GPU keep out of the range by the same rule.
+    pub(crate) unsafe fn write(&self, off: usize, src: &[u8]) {
         self.check(off, src.len(), 1);
-        // SAFETY: in bounds (checked); `src` cannot overlap the region's data
-        // sections that the caller owns for this call by the protocol.
+        // SAFETY: in bounds (checked); exclusive access to the destination
+        // and no overlap with `src` are the caller's contract.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(off), src.len())
         }
     }
 
-    /// A shared view of `len` bytes at `off`, for summing received partials.
+    /// Copies `dst.len()` bytes at `off` out of the region.
+    ///
+    /// A copy through raw pointers rather than a `&[u8]` view: the region is
+    /// written by peers, a NIC or a GPU, which the compiler cannot see, and
+    /// a shared reference would promise it that the bytes do not change
+    /// while the reference lives. A faulty peer writing during the copy can
+    /// only tear the copied bytes.
     ///
     /// # Safety
-    /// Nobody may write these bytes while the view lives (the protocol
-    /// guarantees this for a received slot until the next call of the same
-    /// parity, which cannot start before this one ends).
-    pub(crate) unsafe fn bytes(&self, off: usize, len: usize) -> &[u8] {
-        self.check(off, len, 1);
-        std::slice::from_raw_parts(self.ptr.as_ptr().add(off), len)
+    /// No thread of this process may write these bytes during the copy
+    /// (atomics included): by the protocol a received slot is not written
+    /// again before call `seq + 2`, which cannot start before this call
+    /// returns, and the send slot is this rank's until then.
+    pub(crate) unsafe fn read_into(&self, off: usize, dst: &mut [u8]) {
+        self.check(off, dst.len(), 1);
+        // SAFETY: in bounds (checked); `dst` is a distinct, exclusively
+        // borrowed buffer, so it cannot overlap the region's bytes that no
+        // thread of ours writes now (the caller's contract).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        }
+    }
+
+    /// Copies `len` bytes at `src_off` of this region into `dst` at
+    /// `dst_off` (the Shm fabric: this rank's send slot into a peer's
+    /// receive slot), without forming a reference to either.
+    ///
+    /// # Safety
+    /// The source bytes must not be written, and the destination bytes not
+    /// accessed, by anything else during the copy: the contracts of
+    /// [`Region::read_into`] for the source and [`Region::write`] for the
+    /// destination.
+    pub(crate) unsafe fn copy_to(&self, src_off: usize, dst: &Region, dst_off: usize, len: usize) {
+        self.check(src_off, len, 1);
+        dst.check(dst_off, len, 1);
+        // SAFETY: both ranges in bounds (checked); nothing else touches them
+        // during the copy (the caller's contract). `ptr::copy` tolerates
+        // overlap, which a layout bug would be, rather than making it UB.
+        unsafe {
+            std::ptr::copy(
+                self.ptr.as_ptr().add(src_off),
+                dst.ptr.as_ptr().add(dst_off),
+                len,
+            )
+        }
     }
 
     /// Control block words.
@@ -440,8 +485,33 @@ mod tests {
         assert_eq!(r.ctrl().meta(0).load(Ordering::Acquire), 0);
         assert_eq!(r.ctrl().meta(1).load(Ordering::Acquire), 7);
         assert_eq!(r.u64_at(l.flag_offset(1, 2, 0)).load(Ordering::Acquire), 0);
-        r.write(l.send_offset(1), &[1, 2, 3]);
+        let mut back = [0u8; 3];
         // SAFETY: nothing else touches this test region.
-        assert_eq!(unsafe { r.bytes(l.send_offset(1), 3) }, &[1, 2, 3]);
+        unsafe {
+            r.write(l.send_offset(1), &[1, 2, 3]);
+            r.read_into(l.send_offset(1), &mut back);
+        }
+        assert_eq!(back, [1, 2, 3]);
+    }
+
+    #[test]
+    fn copy_to_moves_a_slot_between_regions() {
+        let l = Layout::new(2, 0, 4096).unwrap();
+        let a = Region::anonymous(l.region_bytes()).unwrap();
+        let b = Region::anonymous(l.region_bytes()).unwrap();
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut back = vec![0u8; 5000];
+        // SAFETY: nothing else touches these test regions.
+        unsafe {
+            a.write(l.send_offset(0), &data);
+            a.copy_to(l.send_offset(0) + 10, &b, l.recv_offset(1, 0), 4000);
+            b.read_into(l.recv_offset(1, 0), &mut back[..4000]);
+        }
+        assert_eq!(back[..4000], data[10..4010]);
+        // Nothing beyond the copied range moved.
+        let mut after = [0xffu8; 8];
+        // SAFETY: as above.
+        unsafe { b.read_into(l.recv_offset(1, 0) + 4000, &mut after) };
+        assert_eq!(after, [0; 8]);
     }
 }

@@ -33,11 +33,16 @@ struct Engine {
 
 /// State shared by the proxy thread and the caller.
 pub(crate) struct Shared {
+    // Field order is drop order: the fabric (memory registrations, queue
+    // pairs a NIC may still write through) goes before the region it
+    // targets. A proxy thread left detached by `Proxy::stop` can hold the
+    // last reference to this struct, so the order must hold here and not
+    // only in `Arx`.
+    engine: Mutex<Engine>,
     pub region: Arc<Region>,
     stop: AtomicBool,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
-    engine: Mutex<Engine>,
 }
 
 impl Shared {
@@ -129,15 +134,15 @@ impl Proxy {
         cpu: Option<usize>,
     ) -> Result<Self> {
         let shared = Arc::new(Shared {
-            region,
-            stop: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
-            error: Mutex::new(None),
             engine: Mutex::new(Engine {
                 fabric,
                 posted: 0,
                 sent: 0,
             }),
+            region,
+            stop: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
         });
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
@@ -341,4 +346,76 @@ pub(crate) fn check(proxy: &Proxy) -> Result<()> {
         return Err(Error::Proxy("the proxy thread has exited".into()));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Overrides;
+    use crate::layout::Backing;
+
+    type Log = Arc<Mutex<Vec<&'static str>>>;
+
+    /// A fabric that records when it is dropped, standing in for the Verbs
+    /// fabric's memory registrations and queue pairs.
+    struct Recorder(Log);
+
+    impl Fabric for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn post(&mut self, _seq: u64, _bytes: usize, _flag: u64) -> Result<()> {
+            Ok(())
+        }
+        fn progress(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn quiescent(&self) -> bool {
+            true
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+    }
+
+    impl Drop for Recorder {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().push("fabric");
+        }
+    }
+
+    #[test]
+    fn the_fabric_is_dropped_before_the_region() {
+        let log: Log = Arc::default();
+        let layout = Layout::new(2, 0, 4096).unwrap();
+        let len = layout.region_bytes();
+        let mem = Region::anonymous(len).unwrap();
+        let l = Arc::clone(&log);
+        // SAFETY: `mem` stays mapped until the closure (the region's
+        // release) drops it.
+        let region = unsafe {
+            Region::from_raw(
+                mem.as_ptr(),
+                len,
+                Backing::Custom(Some(Box::new(move || {
+                    l.lock().unwrap().push("region");
+                    drop(mem);
+                }))),
+            )
+        }
+        .unwrap();
+        let cfg = Config::resolve_with(&Overrides::default(), |_| None).unwrap();
+        // The proxy's shared state holds the only reference to the region,
+        // as it does when a detached proxy thread outlives its `Arx`.
+        let proxy = Proxy::start(
+            Box::new(Recorder(Arc::clone(&log))),
+            Arc::new(region),
+            layout,
+            &cfg,
+            None,
+        )
+        .unwrap();
+        drop(proxy);
+        assert_eq!(*log.lock().unwrap(), ["fabric", "region"]);
+    }
 }

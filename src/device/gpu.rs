@@ -1,5 +1,5 @@
 //! The GPU device side: `kernels/arx.cu`, compiled by NVRTC for the device's
-//! own architecture, runs the protocol of `kernels/arx.h` on device buffers.
+//! own architecture, runs the protocol of `kernels/arx_abi.h` on device buffers.
 //!
 //! All CUDA calls of arx live here. cudarc loads libcuda and libnvrtc at run
 //! time; both are checked before cudarc is touched (its context constructor
@@ -42,8 +42,13 @@ use crate::proxy::{peer_flags, Shared};
 
 /// The kernel source and the ABI header it includes.
 const SOURCE: &str = include_str!("../../kernels/arx.cu");
-const HEADER: &str = include_str!("../../kernels/arx.h");
-/// Threads per block (must equal `ARX_THREADS` in arx.cu).
+/// The headers arx.cu includes (name, text), handed to NVRTC by name.
+const HEADERS: [(&std::ffi::CStr, &str); 3] = [
+    (c"arx_abi.h", include_str!("../../kernels/arx_abi.h")),
+    (c"device.cuh", include_str!("../../kernels/device.cuh")),
+    (c"oneshot.cuh", include_str!("../../kernels/oneshot.cuh")),
+];
+/// Threads per block (must equal `ARX_THREADS` in kernels/device.cuh).
 const THREADS: u32 = 256;
 /// Upper bound on blocks of one launch.
 const MAX_BLOCKS: u32 = 16;
@@ -111,11 +116,16 @@ fn cubin(arch: &str) -> Result<Arc<Vec<u8>>> {
     }
     use cudarc::nvrtc::sys as nv;
     let src = CString::new(SOURCE).map_err(|_| Error::InvalidArgument("NUL in arx.cu".into()))?;
-    let hdr = CString::new(HEADER).map_err(|_| Error::InvalidArgument("NUL in arx.h".into()))?;
+    let texts = HEADERS
+        .iter()
+        .map(|(n, t)| {
+            CString::new(*t).map_err(|_| Error::InvalidArgument(format!("NUL in {n:?}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
     let name = c"arx.cu";
-    let hname = c"arx.h";
-    let headers = [hdr.as_ptr()];
-    let include_names = [hname.as_ptr()];
+    let headers: Vec<*const std::ffi::c_char> = texts.iter().map(|t| t.as_ptr()).collect();
+    let include_names: Vec<*const std::ffi::c_char> =
+        HEADERS.iter().map(|(n, _)| n.as_ptr()).collect();
     let opts: Vec<CString> = [
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
@@ -135,7 +145,7 @@ fn cubin(arch: &str) -> Result<Arc<Vec<u8>>> {
             &mut prog,
             src.as_ptr(),
             name.as_ptr(),
-            1,
+            headers.len() as i32,
             headers.as_ptr(),
             include_names.as_ptr(),
         )

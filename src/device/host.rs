@@ -1,4 +1,4 @@
-//! The Host device side: the protocol of kernels/arx.h run by the calling
+//! The Host device side: the protocol of kernels/arx_abi.h run by the calling
 //! thread on host slices.
 
 use std::sync::atomic::Ordering;
@@ -40,7 +40,10 @@ pub(crate) fn allreduce<T: Element>(
         Some(i) => bytemuck::cast_slice(i),
         None => bytemuck::cast_slice(output),
     };
-    region.write(layout.send_offset(p), src);
+    // SAFETY: send[p] is ours again: its last use, call seq-2, reached
+    // every peer before that peer could end seq-2 and send the seq-1 flag
+    // this rank needed to end seq-1. `src` is the caller's memory.
+    unsafe { region.write(layout.send_offset(p), src) };
     ctrl.meta(p).store(flag, Ordering::Relaxed);
     ctrl.seq().store(seq, Ordering::Release);
     // Post it from this thread rather than waking the proxy (same order:
@@ -109,15 +112,16 @@ pub(crate) fn allreduce<T: Element>(
 
     // 3. Sum in rank order (own partial from the send slot: the same bytes
     //    every peer received).
-    let part = |r: usize| {
+    let part = |r: usize, at: usize, dst: &mut [u8]| {
         let off = if r == me {
             layout.send_offset(p)
         } else {
             layout.recv_offset(p, r)
         };
+        debug_assert!(at + dst.len() <= bytes);
         // SAFETY: these slots are not written again before call seq+2,
         // which cannot start before this call returns.
-        unsafe { region.bytes(off, bytes) }
+        unsafe { region.read_into(off + at, dst) }
     };
     sum_in_rank_order(world, part, output);
     ctrl.done().store(seq, Ordering::Release);

@@ -7,11 +7,33 @@
 //! Host device side) or `ld.acquire.sys` (the GPU kernel), so a flag is never
 //! visible before its data — the same guarantee RDMA writes on one RC QP give.
 //!
-//! The segment is created by rank 0 with mode 0600 under a random name, and
-//! unlinked as soon as every rank has mapped it, so nothing is left in
-//! /dev/shm even if the job is killed later.
+//! # The segment's life
+//!
+//! Rank 0 creates the segment (mode 0600, a random name that starts with
+//! `arx-<rank 0's pid>-`) and reserves its memory at once
+//! (`posix_fallocate`): a `/dev/shm` too small for the job (Docker's default
+//! is 64 MiB) is an error at start-up naming the size needed, not a SIGBUS
+//! at the first call that touches an unbacked page.
+//!
+//! The name is unlinked as soon as every rank has mapped the segment, so
+//! nothing is left in `/dev/shm` however the job ends later. Before that,
+//! every way out of [`establish`] on every rank unlinks it too (an error of
+//! any rank, a timeout waiting for a rank that died), and the name is
+//! agreed before the segment exists, so a rank missing at start-up is found
+//! before there is anything to remove. What remains possible: if rank 0 is
+//! killed by a signal it cannot handle (SIGKILL, or mpirun's SIGTERM when
+//! another rank dies) between creating the segment and every rank's attach
+//! — two short collectives among ranks that all just answered — and no
+//! other rank reaches its own timeout, the segment stays in `/dev/shm` until
+//! removed (`rm /dev/shm/arx-<pid>-*`, pid being rank 0's).
+//!
+//! Test hook (tests only, not a setting): `ARX_TEST_SHM_FAIL=leave:<r>`
+//! makes rank r leave [`establish`] with an error right after the name is
+//! agreed, without taking part in what follows, as a rank that dies there
+//! would; `ARX_TEST_SHM_FAIL=attach:<r>` makes rank r's attach fail. See
+//! `tests/shm.rs`.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -24,7 +46,6 @@ use crate::layout::{Backing, Layout, Region};
 pub(crate) struct Segment {
     base: *mut u8,
     len: usize,
-    name: String,
 }
 
 // SAFETY: the mapping is plain shared memory; all cross-process words are
@@ -37,6 +58,18 @@ impl Drop for Segment {
     fn drop(&mut self) {
         // SAFETY: we mapped exactly this range.
         unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+/// Removes the segment's name when dropped, whatever the way out.
+struct Unlink(CString);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        // SAFETY: a NUL-terminated name. ENOENT (another rank was first, or
+        // rank 0 never created it) is the expected outcome on all but one
+        // rank and needs no report.
+        unsafe { libc::shm_unlink(self.0.as_ptr()) };
     }
 }
 
@@ -57,8 +90,113 @@ fn cname(name: &str) -> Result<CString> {
     CString::new(name).map_err(|_| Error::InvalidArgument(format!("segment name {name:?}")))
 }
 
-/// Creates (`create`) or opens the segment and maps it.
-fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
+/// The test hook's point for this rank (see the module docs).
+fn test_hook(rank: usize) -> Option<&'static str> {
+    let v = std::env::var("ARX_TEST_SHM_FAIL").ok()?;
+    let (point, r) = v.split_once(':')?;
+    let point = ["leave", "attach"].into_iter().find(|p| *p == point)?;
+    (r.parse::<usize>().ok()? == rank).then_some(point)
+}
+
+fn injected(point: &str, rank: usize) -> Error {
+    Error::Os {
+        call: "ARX_TEST_SHM_FAIL",
+        object: format!("rank {rank}"),
+        detail: format!("injected failure ({point}; test hook)"),
+    }
+}
+
+/// `(free, total)` bytes of the file system behind `shm_open`.
+fn shm_space() -> Option<(u64, u64)> {
+    const DIR: &CStr = c"/dev/shm";
+    // SAFETY: `st` is plain old data filled by statvfs.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out-parameter.
+    if unsafe { libc::statvfs(DIR.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let unit = st.f_frsize as u64;
+    Some((st.f_bavail as u64 * unit, st.f_blocks as u64 * unit))
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+/// The error for a segment `/dev/shm` cannot hold: what is needed, what is
+/// free, and the two ways out.
+fn no_space(name: &str, layout: &Layout, len: usize, detail: &str) -> Error {
+    let world = layout.world();
+    let slot = layout.slot_bytes();
+    let slots = 2 * (world + 1);
+    let fixed = layout.region_bytes() - slots * slot;
+    let space = match shm_space() {
+        Some((free, total)) => {
+            // What would fit now: per rank, the fixed part plus the slots.
+            let fit = (free as usize / world).saturating_sub(fixed) / slots / 4096 * 4096;
+            let want = (total.saturating_sub(free) + len as u64).div_ceil(1 << 20);
+            format!(
+                "/dev/shm has {free} bytes free ({}) of {total} ({}). Raise it to at least \
+                 {want} MiB (docker run --shm-size={want}m ..., or mount -o remount,size={want}m \
+                 /dev/shm) or lower ARX_SLOT_BYTES ({})",
+                mib(free),
+                mib(total),
+                if fit > 0 {
+                    format!("{fit} fits now")
+                } else {
+                    "not even one page per slot fits now".into()
+                }
+            )
+        }
+        None => "/dev/shm's size is unknown (statvfs failed). Raise it (docker run \
+                 --shm-size=..., or mount -o remount,size=... /dev/shm) or lower ARX_SLOT_BYTES"
+            .into(),
+    };
+    Error::Os {
+        call: "posix_fallocate",
+        object: format!("shared segment {name}"),
+        detail: format!(
+            "{detail}: the shm fabric needs {len} bytes ({}) of /dev/shm: {world} ranks x \
+             {} bytes, each {slots} slots of {slot} bytes (2 x (ranks + 1)) and {fixed} bytes \
+             of control and flags. {space}",
+            mib(len as u64),
+            layout.region_bytes()
+        ),
+    }
+}
+
+/// Reserves `len` bytes for the segment behind `fd` (which also sets its
+/// size), so that no page of it can be missing later.
+fn reserve(fd: libc::c_int, name: &str, layout: &Layout, len: usize) -> Result<()> {
+    // tmpfs gives up a large reservation when a signal arrives (EINTR) and
+    // releases what it had: try again, a bounded number of times.
+    let mut rc = libc::EINTR;
+    for _ in 0..100 {
+        // SAFETY: fd is open for writing; posix_fallocate returns the error
+        // number instead of setting errno.
+        rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+        if rc != libc::EINTR {
+            break;
+        }
+    }
+    match rc {
+        0 => Ok(()),
+        libc::ENOSPC | libc::ENOMEM => Err(no_space(
+            name,
+            layout,
+            len,
+            &std::io::Error::from_raw_os_error(rc).to_string(),
+        )),
+        e => Err(Error::Os {
+            call: "posix_fallocate",
+            object: format!("shared segment {name} ({len} bytes)"),
+            detail: std::io::Error::from_raw_os_error(e).to_string(),
+        }),
+    }
+}
+
+/// Creates (rank 0) or opens the segment `name` and maps it.
+fn map(name: &str, layout: &Layout, len: usize, create: bool) -> Result<Segment> {
     let c = cname(name)?;
     let flags = if create {
         libc::O_CREAT | libc::O_EXCL | libc::O_RDWR
@@ -72,13 +210,7 @@ fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
     }
     let result = (|| {
         if create {
-            // SAFETY: fd is ours.
-            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-                return Err(Error::last_os(
-                    "ftruncate",
-                    format!("{name} to {len} bytes (is /dev/shm large enough?)"),
-                ));
-            }
+            reserve(fd, name, layout, len)?;
         } else {
             // SAFETY: `st` is plain old data filled by fstat.
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -110,15 +242,10 @@ fn map(name: &str, len: usize, create: bool) -> Result<Segment> {
         Ok(Segment {
             base: p.cast(),
             len,
-            name: name.to_string(),
         })
     })();
     // SAFETY: fd is ours; the mapping keeps the object alive.
     unsafe { libc::close(fd) };
-    if result.is_err() && create {
-        // SAFETY: removing the name we just created.
-        unsafe { libc::shm_unlink(c.as_ptr()) };
-    }
     result
 }
 
@@ -131,48 +258,48 @@ pub(crate) struct ShmSetup {
 }
 
 /// Creates the segment on rank 0, attaches every rank, then unlinks it.
-/// Collective over `boot`; any rank's failure fails every rank.
+/// Collective over `boot`; any rank's failure fails every rank, and no way
+/// out leaves the name behind (see the module docs for the one exception).
 pub(crate) fn establish(boot: &Bootstrap, layout: &Layout) -> Result<ShmSetup> {
     let per_rank = layout.region_bytes();
     let world = layout.world();
+    let rank = boot.rank();
     let len = per_rank
         .checked_mul(world)
         .ok_or_else(|| Error::InvalidArgument("shared segment size overflows".into()))?;
-    let name = segment_name();
+    let hook = test_hook(rank);
 
-    // Rank 0 creates; everyone learns the name (or rank 0's error).
-    let created = if boot.rank() == 0 {
-        Some(map(&name, len, true))
+    // The name first: a rank that is missing or failed at start-up shows
+    // here, while there is nothing to remove yet.
+    let mine = if rank == 0 {
+        segment_name()
     } else {
-        None
+        String::new()
     };
-    let announce = match &created {
-        Some(Ok(s)) => s.name.clone(),
-        _ => String::new(),
-    };
-    let names = boot.all_gather_bytes("shm segment name", announce.as_bytes())?;
-    let created = match created {
-        Some(r) => Some(boot.agree("shm segment create", r.map(Some))?),
-        None => {
-            boot.agree::<Option<Segment>>("shm segment create", Ok(None))?;
-            None
-        }
-    };
-    let root_name = String::from_utf8_lossy(&names[0]).into_owned();
-
-    let attached = match created.flatten() {
-        Some(s) => Ok(s),
-        None => map(&root_name, len, false),
-    };
-    let agreed = boot.agree("shm segment attach", attached);
-    if boot.rank() == 0 {
-        // Every rank has mapped it (or failed): the name is no longer needed.
-        if let Ok(c) = cname(&root_name) {
-            // SAFETY: removing our own segment's name.
-            unsafe { libc::shm_unlink(c.as_ptr()) };
-        }
+    let names = boot.all_gather_bytes("shm segment name", mine.as_bytes())?;
+    let name = String::from_utf8_lossy(&names[0]).into_owned();
+    // From here every rank removes the name on its way out: rank 0 if a
+    // peer fails or never answers, the others if rank 0 dies after creating.
+    let unlink = Unlink(cname(&name)?);
+    if hook == Some("leave") {
+        return Err(injected("leave", rank));
     }
-    let seg = Arc::new(agreed?);
+
+    let created = if rank == 0 {
+        map(&name, layout, len, true).map(Some)
+    } else {
+        Ok(None)
+    };
+    let created = boot.agree("shm segment create", created)?;
+    let attached = match created {
+        Some(s) => Ok(s),
+        None if hook == Some("attach") => Err(injected("attach", rank)),
+        None => map(&name, layout, len, false),
+    };
+    let seg = Arc::new(boot.agree("shm segment attach", attached)?);
+    // Every rank has mapped it: the name is no longer needed.
+    drop(unlink);
+
     let regions = (0..world)
         .map(|r| {
             let owner: Box<dyn Send + Sync> = Box::new(Arc::clone(&seg));
@@ -188,10 +315,7 @@ pub(crate) fn establish(boot: &Bootstrap, layout: &Layout) -> Result<ShmSetup> {
             .map(Arc::new)
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(ShmSetup {
-        regions,
-        name: root_name,
-    })
+    Ok(ShmSetup { regions, name })
 }
 
 /// Copies partials and flags into peers' parts of the shared segment.
@@ -222,16 +346,17 @@ impl Fabric for ShmFabric {
         let world = self.layout.world();
         let mine = &self.regions[me];
         let src = self.layout.send_offset(p);
-        // SAFETY: our send slot of parity p is stable until every peer has
-        // our flag for this seq (see kernels/arx.h, rule 5 of DESIGN.md).
-        let data = unsafe { mine.bytes(src, bytes) };
         for step in 1..world {
             let q = (me + step) % world;
             let peer = &self.regions[q];
             let dst = self.layout.recv_offset(p, me);
             for lane in 0..2 {
                 let r = Layout::lane_range(bytes, lane);
-                peer.write(dst + r.start, &data[r.clone()]);
+                // SAFETY: our send slot of parity p is stable until every
+                // peer has our flag for this seq, and the peer reads
+                // recv[p][me] only after that flag (kernels/arx_abi.h, rule 5 of
+                // DESIGN.md): nothing else touches either range now.
+                unsafe { mine.copy_to(src + r.start, peer, dst + r.start, r.len()) };
                 // Release: the copy above is visible before the flag.
                 peer.u64_at(self.layout.flag_offset(p, me, lane))
                     .store(flag, Ordering::Release);

@@ -1005,10 +1005,11 @@ pub(crate) fn connect(
     cfg: &Config,
     layout: &Layout,
     region: &Region,
+    local_rank: topology::LocalRank,
 ) -> Result<VerbsFabric> {
     let world = layout.world();
     let me = layout.rank();
-    let local = topology::select(cfg)
+    let local = topology::select(cfg, &local_rank)
         .and_then(|sel| open_local(layout, region, &sel.lanes).map(|l| (sel, l)));
     let (
         sel,

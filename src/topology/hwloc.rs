@@ -1,6 +1,6 @@
-//! Topology's FFI, in one place: hwloc's I/O objects and CPU kinds through
+//! hwloc's FFI, in one place: hwloc's I/O objects and CPU kinds through
 //! bindings that build.rs generates from `<hwloc.h>` (the hwloc2 crate cannot
-//! see I/O objects, FACTS.md), and `getrlimit(RLIMIT_MEMLOCK)`.
+//! see I/O objects, FACTS.md).
 //!
 //! Everything here returns plain Rust data; no hwloc pointer leaves this
 //! module.
@@ -352,39 +352,10 @@ pub(crate) fn load(xml: Option<&Path>) -> Result<HwTopology, String> {
     })
 }
 
-/// `getrlimit(RLIMIT_MEMLOCK)`: (soft, hard) in bytes, `u64::MAX` for
-/// unlimited.
-pub(crate) fn memlock_limit() -> Result<(u64, u64), String> {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `r` is a valid, writable rlimit for the duration of the call.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error().to_string());
-    }
-    // rlim_t is u64 on Linux targets, but not by definition.
-    #[allow(clippy::unnecessary_cast)]
-    let conv = |v: libc::rlim_t| {
-        if v == libc::RLIM_INFINITY {
-            u64::MAX
-        } else {
-            v as u64
-        }
-    };
-    Ok((conv(r.rlim_cur), conv(r.rlim_max)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fixture(name: &str) -> std::path::PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/topology")
-            .join(name)
-    }
+    use crate::topology::test_util::fixture;
 
     const X925: [usize; 10] = [5, 6, 7, 8, 9, 15, 16, 17, 18, 19];
 
@@ -422,11 +393,5 @@ mod tests {
         assert!(!t.online.is_empty());
         assert_eq!(t.source, "live");
         assert!(t.version.starts_with("API 2."), "{}", t.version);
-    }
-
-    #[test]
-    fn memlock_limit_reads() {
-        let (soft, hard) = memlock_limit().unwrap();
-        assert!(soft <= hard);
     }
 }

@@ -1,0 +1,265 @@
+/*
+ * arx device helpers shared by every algorithm's kernel (compiled at run time
+ * by NVRTC with the other files of kernels/, no CUDA headers):
+ *   - memory operations with explicit scopes (PTX memory model),
+ *   - bf16/f16 <-> f32 conversions written out so that they match the Rust
+ *     `half` crate bit for bit,
+ *   - the element types' accumulate/pack helpers (fp32 accumulator),
+ *   - failure recording (arx_fail) and the block-uniform ticket helpers.
+ */
+#ifndef ARX_DEVICE_CUH
+#define ARX_DEVICE_CUH
+
+#include "arx_abi.h"
+
+#define ARX_THREADS 256
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct __align__(16) vec4 {
+    u32 x, y, z, w;
+};
+
+/* ------------------------------------------------------------------ */
+/* Memory operations with explicit scopes (PTX ISA memory model).       */
+
+__device__ __forceinline__ u64 ld_acquire_sys_u64(const u64 *p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_sys_u32(const u32 *p) {
+    u32 v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_relaxed_sys_u64(u64 *p, u64 v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_u32(u32 *p, u32 v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys_u64(u64 *p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys_u32(u32 *p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32 *p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_gpu_u32(const u32 *p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release_gpu_u32(u32 *p, u32 v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 atom_add_acq_rel_gpu(u32 *p, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32 *p, u32 cmp, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.cas.b32 %0, [%1], %2, %3;"
+                 : "=r"(old)
+                 : "l"(p), "r"(cmp), "r"(v)
+                 : "memory");
+    return old;
+}
+__device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+/* Peers' partials: written by the NIC or another process, so never trust a
+ * cached line (cv: "consider cached system memory lines stale, fetch again"). */
+__device__ __forceinline__ vec4 ld_cv_v4(const void *p) {
+    vec4 v;
+    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_cv_u32(const void *p) {
+    u32 v;
+    asm volatile("ld.global.cv.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u16 ld_cv_u16(const void *p) {
+    u16 v;
+    asm volatile("ld.global.cv.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/* ------------------------------------------------------------------ */
+/* Conversions, bit for bit as the `half` crate (v2) does them.         */
+
+__device__ __forceinline__ float bits_f32(u32 b) { return __int_as_float((int)b); }
+__device__ __forceinline__ u32 f32_bits(float f) { return (u32)__float_as_int(f); }
+
+__device__ __forceinline__ float bf16_to_f32(u16 i) {
+    if ((i & 0x7FFFu) > 0x7F80u) return bits_f32(((u32)i | 0x0040u) << 16);
+    return bits_f32((u32)i << 16);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float v) {
+    u32 x = f32_bits(v);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((x >> 16) | 0x0040u);
+    const u32 round_bit = 0x00008000u;
+    if ((x & round_bit) != 0 && (x & (3 * round_bit - 1)) != 0) return (u16)((x >> 16) + 1);
+    return (u16)(x >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 i) {
+    if ((i & 0x7FFFu) == 0) return bits_f32((u32)i << 16);
+    u32 half_sign = (u32)(i & 0x8000u);
+    u32 half_exp = (u32)(i & 0x7C00u);
+    u32 half_man = (u32)(i & 0x03FFu);
+    if (half_exp == 0x7C00u) {
+        if (half_man == 0) return bits_f32((half_sign << 16) | 0x7F800000u);
+        return bits_f32((half_sign << 16) | 0x7FC00000u | (half_man << 13));
+    }
+    u32 sign = half_sign << 16;
+    int unbiased_exp = ((int)half_exp >> 10) - 15;
+    if (half_exp == 0) {
+        /* leading zeros of the 16-bit mantissa, minus the 6 non-mantissa bits */
+        int e = (__clz((int)half_man) - 16) - 6;
+        u32 exp = (u32)(127 - 15 - e) << 23;
+        u32 man = (half_man << (14 + e)) & 0x7FFFFFu;
+        return bits_f32(sign | exp | man);
+    }
+    u32 exp = (u32)(unbiased_exp + 127) << 23;
+    u32 man = (half_man & 0x03FFu) << 13;
+    return bits_f32(sign | exp | man);
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float v) {
+    u32 x = f32_bits(v);
+    u32 sign = x & 0x80000000u;
+    u32 exp = x & 0x7F800000u;
+    u32 man = x & 0x007FFFFFu;
+    if (exp == 0x7F800000u) {
+        u32 nan_bit = man == 0 ? 0u : 0x0200u;
+        return (u16)((sign >> 16) | 0x7C00u | nan_bit | (man >> 13));
+    }
+    u32 half_sign = sign >> 16;
+    int unbiased_exp = (int)(exp >> 23) - 127;
+    int half_exp = unbiased_exp + 15;
+    if (half_exp >= 0x1F) return (u16)(half_sign | 0x7C00u);
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) return (u16)half_sign;
+        u32 m = man | 0x00800000u;
+        u32 half_man = m >> (14 - half_exp);
+        u32 round_bit = 1u << (13 - half_exp);
+        if ((m & round_bit) != 0 && (m & (3 * round_bit - 1)) != 0) half_man += 1;
+        return (u16)(half_sign | half_man);
+    }
+    u32 he = (u32)half_exp << 10;
+    u32 half_man = man >> 13;
+    const u32 round_bit = 0x00001000u;
+    if ((man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0)
+        return (u16)((half_sign | he | half_man) + 1);
+    return (u16)(half_sign | he | half_man);
+}
+
+/* Element traits: storage type, lanes per 16-byte vector, NaN poison. */
+struct T_bf16 {
+    typedef u16 S;
+    static __device__ __forceinline__ float load(S s) { return bf16_to_f32(s); }
+    static __device__ __forceinline__ S store(float f) { return f32_to_bf16(f); }
+    static __device__ __forceinline__ S poison() { return (S)0x7FC0u; }
+};
+struct T_f16 {
+    typedef u16 S;
+    static __device__ __forceinline__ float load(S s) { return f16_to_f32(s); }
+    static __device__ __forceinline__ S store(float f) { return f32_to_f16(f); }
+    static __device__ __forceinline__ S poison() { return (S)0x7E00u; }
+};
+struct T_f32 {
+    typedef u32 S;
+    static __device__ __forceinline__ float load(S s) { return bits_f32(s); }
+    static __device__ __forceinline__ S store(float f) { return f32_bits(f); }
+    static __device__ __forceinline__ S poison() { return 0x7FC00000u; }
+};
+
+__device__ __forceinline__ u16 ld_cv_elem(const u16 *p) { return ld_cv_u16(p); }
+__device__ __forceinline__ u32 ld_cv_elem(const u32 *p) { return ld_cv_u32(p); }
+
+/* Unpacks a 16-byte vector into f32 lanes and adds it to acc (lane order). */
+template <class T>
+__device__ __forceinline__ void acc_add(float *acc, vec4 v) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if (sizeof(typename T::S) == 2) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            acc[2 * k] += T::load((u16)(w[k] & 0xFFFFu));
+            acc[2 * k + 1] += T::load((u16)(w[k] >> 16));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[k] += T::load(w[k]);
+    }
+}
+
+template <class T>
+__device__ __forceinline__ vec4 acc_pack(const float *acc) {
+    vec4 v;
+    u32 w[4];
+    if (sizeof(typename T::S) == 2) {
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            w[k] = (u32)T::store(acc[2 * k]) | ((u32)T::store(acc[2 * k + 1]) << 16);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) w[k] = (u32)T::store(acc[k]);
+    }
+    v.x = w[0];
+    v.y = w[1];
+    v.z = w[2];
+    v.w = w[3];
+    return v;
+}
+
+/* ------------------------------------------------------------------ */
+
+/* Records the first failure of this GPU side: device copy first (so the
+ * other blocks stop at once), then the details and ctrl.status in mapped
+ * memory for the host. */
+__device__ void arx_fail(arx_ctrl_t *ctrl, arx_gpu_state_t *st, u32 code, u32 peer, u32 lane,
+                         u64 seq, u64 flag) {
+    if (atom_cas_acq_rel_gpu(&st->status, 0u, code) == 0u) {
+        st_relaxed_sys_u32(&ctrl->err_peer, peer);
+        st_relaxed_sys_u32(&ctrl->err_lane, lane);
+        st_relaxed_sys_u64(&ctrl->err_seq, seq);
+        st_relaxed_sys_u64(&ctrl->err_flag, flag);
+        st_release_sys_u32(&ctrl->status, code);
+    }
+}
+
+/* The grid's sticky status, read once for the whole block (uniform). */
+__device__ __forceinline__ u32 block_status(arx_gpu_state_t *st, u32 *s_slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) *s_slot = ld_relaxed_gpu_u32(&st->status);
+    __syncthreads();
+    return *s_slot;
+}
+
+/* Takes the next ticket of `counter` for the whole block. */
+__device__ __forceinline__ u32 block_ticket(u32 *counter, u32 *s_slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) *s_slot = atomicAdd(counter, 1u);
+    __syncthreads();
+    return *s_slot;
+}
+
+
+#endif /* ARX_DEVICE_CUH */

@@ -1,0 +1,339 @@
+/*
+ * The one-shot all-reduce (one launch per call): every rank's partial goes
+ * to every peer, and every rank sums all partials in rank order.
+ *
+ *   stage    copy the input into send[p] (SM staging) or find it already
+ *            there (copy-engine staging); a system-scope fence; the block
+ *            that finishes the last staging chunk publishes meta[p] then
+ *            ctrl.seq (st.release.sys);
+ *   wait     poll every peer's flags with ld.acquire.sys, bounded by the
+ *            abort word and a %globaltimer deadline; a block that sees them
+ *            all complete posts ready_seq in device memory, which lets the
+ *            other blocks stop polling the (PCIe-distant) flags early;
+ *   sum      rank-order fp32 sum, one rounding, into the output; peers'
+ *            partials are read with ld.global.cv (never a stale cached line);
+ *   leave    the last block out resets the tickets, advances state.seq and
+ *            stores ctrl.done (and poisons the output with NaN if the call
+ *            failed).
+ *
+ * Deadlock freedom: no block ever waits for another block of its grid. Work
+ * is handed out by tickets (atomic counters in device memory), so the grid
+ * completes even if only one of its blocks is resident at a time (MPS ranks
+ * sharing SMs, a busy GPU): a resident block keeps taking staging chunks
+ * until none are left, so the publish never depends on an unscheduled block.
+ * Every wait is bounded by the deadline and the abort word.
+ */
+#ifndef ARX_ONESHOT_CUH
+#define ARX_ONESHOT_CUH
+
+#include "device.cuh"
+
+template <class T>
+__device__ void oneshot_run(const arx_params_t &p) {
+    typedef typename T::S S;
+    const u32 VE = 16 / sizeof(S); /* elements per 16-byte vector */
+    const u32 tid = threadIdx.x;
+    const u32 bd = blockDim.x;
+    unsigned char *region = (unsigned char *)p.region;
+    arx_ctrl_t *ctrl = (arx_ctrl_t *)(region + p.layout.ctrl_off);
+    arx_gpu_state_t *st = (arx_gpu_state_t *)p.state;
+    const u32 world = p.layout.world;
+    const u32 me = p.layout.rank;
+    const u64 slot = p.layout.slot_bytes;
+    /* A refused call (dtype INVALID) announces its count but moves no data. */
+    const u32 count = p.dtype == ARX_DTYPE_INVALID ? 0u : p.count;
+
+    __shared__ u32 s_ticket;
+    __shared__ u32 s_poll;
+    __shared__ u32 s_status;
+
+    /* Every block reads seq before it can depart; the last block to depart
+     * advances it, so every block of this launch sees the same value. */
+    const u64 seq = st->seq + 1;
+    const u32 seq32 = (u32)seq;
+    const u32 par = (u32)(seq & 1);
+    const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
+                     ((u64)(p.dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
+                     ((u64)p.count & ARX_FLAG_COUNT_MASK);
+
+    const S *in = (const S *)p.input;
+    S *out = (S *)p.output;
+    S *send = (S *)(region + p.layout.send_off + par * slot);
+    const bool vec = ((p.input | p.output) & 15ull) == 0;
+    const u32 unit = vec ? VE : 1u; /* elements per thread per chunk */
+    const u32 nunits = (count + unit - 1) / unit;
+    const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
+    const u32 per_chunk = bd * unroll; /* units per chunk */
+    const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
+    /* At least one of each so that a zero-length call still publishes and
+     * waits (its flags keep the ranks in step). */
+    const u32 nstage = p.sm_staging ? (nchunks > 0 ? nchunks : 1u) : 1u;
+    const u32 nsum = nchunks > 0 ? nchunks : 1u;
+
+    bool failed = block_status(st, &s_ticket) != 0;
+
+    /* ---- stage and publish ---- */
+    if (!failed) {
+        u32 mine = 0;
+        for (;;) {
+            u32 c = block_ticket(&st->stage_next, &s_ticket);
+            if (c >= nstage) break;
+            mine++;
+            if (p.sm_staging && nchunks > 0) {
+                for (u32 k = 0; k < unroll; k++) {
+                    u32 u = c * per_chunk + k * bd + tid;
+                    if (u >= nunits) break;
+                    u32 e0 = u * unit;
+                    if (vec && e0 + VE <= count) {
+                        vec4 v = *(const vec4 *)(in + e0);
+                        *(vec4 *)(send + e0) = v;
+                    } else {
+                        u32 e1 = e0 + unit < count ? e0 + unit : count;
+                        for (u32 e = e0; e < e1; e++) send[e] = in[e];
+                    }
+                }
+            }
+        }
+        if (mine > 0) {
+            /* Each thread's stores to the mapped slot are made visible
+             * system-wide before the block reports its chunks done. */
+            fence_sc_sys();
+            __syncthreads();
+            if (tid == 0) {
+                u32 before = atom_add_acq_rel_gpu(&st->staged, mine);
+                if (before + mine == nstage) {
+                    /* Every chunk is staged: each thread fenced its stores
+                     * at system scope before its block counted them, and the
+                     * acq_rel chain orders those before this release. */
+                    st_relaxed_sys_u64(&ctrl->meta[par], flag);
+                    st_release_sys_u64(&ctrl->seq, seq);
+                }
+            }
+        }
+    }
+
+    /* ---- wait for every peer, then sum ---- */
+    const u32 nflags = (world - 1) * ARX_LANES;
+    bool ready = false;
+    while (!failed) {
+        u32 c = block_ticket(&st->sum_next, &s_ticket);
+        if (c >= nsum) break;
+        if (!ready) {
+            /* Bounded wait. Thread i < nflags polls flag i (peer me+1+i/2,
+             * lane i%2), the last thread watches the clock, the abort word,
+             * the grid's status and ready_seq. */
+            const u64 t0 = globaltimer();
+            const u64 limit = st->timeout_ns;
+            u32 have = 0; /* bit k: this thread's k-th flag arrived */
+            u32 round = 0;
+            /* One block per call polls the peers' flags (PCIe reads on a
+             * discrete GPU, which would compete with the payload reads if
+             * every block polled); the others watch ready_seq and the status
+             * in device memory. The poller is a running block, so waiting
+             * for it needs no other block to be scheduled. */
+            if (tid == 0) {
+                u32 old = ld_relaxed_gpu_u32(&st->poller);
+                s_poll = (old != seq32 && atom_cas_acq_rel_gpu(&st->poller, old, seq32) == old);
+            }
+            __syncthreads();
+            const bool poller = s_poll != 0;
+            for (;; round++) {
+                u32 ok = 1, bad = 0, stop = 0;
+                u32 k = 0;
+                if (!poller) ok = 0;
+                for (u32 i = tid; poller && i < nflags; i += bd, k++) {
+                    if (k < 32 && (have >> k) & 1u) continue;
+                    u32 q = (me + 1 + i / ARX_LANES) % world;
+                    u32 lane = i % ARX_LANES;
+                    const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
+                                    ((u64)(par * world + q) * ARX_LANES + lane);
+                    u64 f = ld_acquire_sys_u64(fp);
+                    if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) == seq32) {
+                        if (f != flag) {
+                            /* Same call, other count or dtype. */
+                            arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
+                            bad = 1;
+                        } else if (k < 32) {
+                            have |= 1u << k;
+                        }
+                    } else {
+                        ok = 0;
+                    }
+                }
+                if (tid == bd - 1) {
+                    /* Our own partial must be fully staged before any block
+                     * writes the output (in place, the output is the input
+                     * the staging reads). Blocks holding staging chunks are
+                     * running, so this wait needs no other block scheduled. */
+                    if (ld_acquire_gpu_u32(&st->staged) < nstage) ok = 0;
+                    if (ld_acquire_gpu_u32(&st->ready_seq) == seq32) {
+                        stop = 1; /* another block saw it all complete */
+                        s_status = 0;
+                    } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
+                        stop = 1;
+                        s_status = ld_relaxed_gpu_u32(&st->status);
+                    } else if (poller && (round & 7) == 7 &&
+                               ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                        /* (a PCIe round trip on discrete GPUs: not every round) */
+                        stop = 1;
+                        s_status = ARX_STATUS_ABORTED;
+                    } else if (globaltimer() - t0 > limit) {
+                        stop = 1;
+                        s_status = ARX_STATUS_TIMEOUT;
+                    }
+                }
+                /* Uniform decisions: every thread leaves in the same round. */
+                int any_bad = __syncthreads_or((int)bad);
+                int all = __syncthreads_and((int)ok);
+                int any_stop = __syncthreads_or((int)stop);
+                if (any_bad) {
+                    failed = true;
+                    break;
+                }
+                if (all) {
+                    /* ld.acquire.sys by the pollers, then the barrier:
+                     * everything the peers wrote before their flags is
+                     * visible to the whole block. */
+                    if (tid == 0) st_release_gpu_u32(&st->ready_seq, seq32);
+                    break;
+                }
+                if (any_stop) {
+                    u32 why = s_status;
+                    if (why == ARX_STATUS_TIMEOUT || why == ARX_STATUS_ABORTED) {
+                        /* Name a missing peer and lane: the first thread to
+                         * record wins; the rest are no-ops. */
+                        u32 kk = 0;
+                        for (u32 i = tid; i < nflags; i += bd, kk++) {
+                            if (kk < 32 && (have >> kk) & 1u) continue;
+                            u32 q = (me + 1 + i / ARX_LANES) % world;
+                            u32 lane = i % ARX_LANES;
+                            const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
+                                            ((u64)(par * world + q) * ARX_LANES + lane);
+                            u64 f = ld_acquire_sys_u64(fp);
+                            if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) != seq32) {
+                                arx_fail(ctrl, st, why, q, lane, seq, f);
+                                break;
+                            }
+                        }
+                        __syncthreads();
+                        /* No flag missing: our own staging did not finish. */
+                        if (tid == 0) arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, 0);
+                    }
+                    if (why != 0) failed = true;
+                    break;
+                }
+            }
+            /* `failed` and the exit reason are uniform across the block. */
+            if (failed) break;
+            ready = true;
+        }
+
+        /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
+        for (u32 k = 0; k < unroll; k++) {
+        u32 u = c * per_chunk + k * bd + tid;
+        if (u >= nunits) break;
+        {
+            u32 e0 = u * unit;
+            if (vec && e0 + VE <= count) {
+                float acc[8];
+#pragma unroll
+                /* -0.0 is the identity of IEEE addition (-0 + x == x for
+                 * every x, -0 + -0 == -0), so the sum is exactly
+                 * ((p0 + p1) + p2) + ... including the sign of zero; a +0.0
+                 * start would turn all-(-0.0) inputs into +0.0. */
+                for (int k = 0; k < 8; k++) acc[k] = -0.0f;
+                /* Loads for up to 8 ranks in flight, then added in rank order. */
+                for (u32 r0 = 0; r0 < world; r0 += 8) {
+                    vec4 v[8];
+                    u32 nr = world - r0 < 8 ? world - r0 : 8;
+#pragma unroll
+                    for (u32 j = 0; j < 8; j++) {
+                        if (j < nr) {
+                            u32 r = r0 + j;
+                            if (r == me) {
+                                v[j] = *(const vec4 *)(in + e0);
+                            } else {
+                                const unsigned char *src =
+                                    region + p.layout.recv_off + ((u64)par * world + r) * slot;
+                                v[j] = ld_cv_v4(src + (u64)e0 * sizeof(S));
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (u32 j = 0; j < 8; j++)
+                        if (j < nr) acc_add<T>(acc, v[j]);
+                }
+                *(vec4 *)(out + e0) = acc_pack<T>(acc);
+            } else {
+                u32 e1 = e0 + unit < count ? e0 + unit : count;
+                for (u32 e = e0; e < e1; e++) {
+                    float a = -0.0f; /* see the vector path */
+                    for (u32 r = 0; r < world; r++) {
+                        S s;
+                        if (r == me) {
+                            s = in[e];
+                        } else {
+                            const S *src = (const S *)(region + p.layout.recv_off +
+                                                       ((u64)par * world + r) * slot);
+                            s = ld_cv_elem(src + e);
+                        }
+                        a += T::load(s);
+                    }
+                    out[e] = T::store(a);
+                }
+            }
+        }
+        }
+    }
+
+    /* ---- leave: the last block out closes the call ---- */
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        s_ticket = atom_add_acq_rel_gpu(&st->depart, 1u);
+    }
+    __syncthreads();
+    if (s_ticket != gridDim.x - 1) return;
+
+    /* Copy-engine staging: the host copies the next call's partial into
+     * both send slots, so a call that published may end only once the proxy
+     * has finished reading this call's slot -- also when the call failed
+     * (a timeout here, a mismatch, an abort): a peer may still complete this
+     * call with the data in flight, and the next call's copies, already
+     * queued behind this kernel, would overwrite it. The proxy advances
+     * ctrl.sent past every published seq once its sends completed (or, after
+     * a fabric failure, once nothing it posted is outstanding). Bounded like
+     * every wait. A call that did not publish (failed before staging) leaves
+     * nothing in flight. */
+    if (tid == 0 && !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage) {
+        const u64 t0 = globaltimer();
+        for (;;) {
+            if (ld_acquire_sys_u64(&ctrl->sent) >= seq) break;
+            if (globaltimer() - t0 > st->timeout_ns) {
+                arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, seq, 0);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    const u32 status = ld_relaxed_gpu_u32(&st->status);
+    if (status != 0) {
+        /* A failed call must not leave a plausible result behind (a graph
+         * replay has no host to check): NaN everywhere. */
+        for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
+    }
+    __syncthreads();
+    if (tid == 0) {
+        st->stage_next = 0;
+        st->staged = 0;
+        st->sum_next = 0;
+        st->depart = 0;
+        st->seq = seq;
+        __threadfence();
+        /* Informational (watchdog, logs): no ordering needed. */
+        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
+    }
+}
+
+
+#endif /* ARX_ONESHOT_CUH */

@@ -1,0 +1,107 @@
+//! RLIMIT_MEMLOCK: about how much RDMA registration locks, and a check whose
+//! error says how to raise the limit (shell, containers, Slurm).
+
+use crate::error::{Error, Result};
+
+pub(super) fn human(b: u64) -> String {
+    if b == u64::MAX {
+        "unlimited".into()
+    } else if b >= 1 << 30 {
+        format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+    } else if b >= 1 << 20 {
+        format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64)
+    } else {
+        format!("{} KiB", b >> 10)
+    }
+}
+
+pub(super) fn check_memlock_with(needed: usize, soft: u64, hard: u64) -> Result<()> {
+    if soft == u64::MAX || soft >= needed as u64 {
+        return Ok(());
+    }
+    Err(Error::Topology(format!(
+        "RLIMIT_MEMLOCK is {} (hard {}), but RDMA registration needs {} locked: raise it \
+         before starting the ranks: `ulimit -l unlimited` in the launching shell (up to the \
+         hard limit), `memlock unlimited` for the user in /etc/security/limits.conf, \
+         `--ulimit memlock=-1` for containers (docker/podman), and under Slurm \
+         `srun --propagate=MEMLOCK` (or PropagateResourceLimits in slurm.conf) with a raised \
+         limit for slurmd (LimitMEMLOCK=infinity)",
+        human(soft),
+        human(hard),
+        human(needed as u64)
+    )))
+}
+
+/// Locked bytes one instance registers, about: send\[2\]\[slot\] and
+/// recv\[2\]\[world\]\[slot\] plus a page-rounded control block and flags
+/// (an estimate for reports; the fabric checks the real region size).
+pub fn memlock_needed(slot_bytes: usize, world: usize) -> usize {
+    slot_bytes
+        .saturating_mul(2)
+        .saturating_mul(world.saturating_add(1))
+        .saturating_add(1 << 20)
+}
+
+/// Fails with an explanation when RLIMIT_MEMLOCK is below `needed` bytes.
+pub fn check_memlock(needed: usize) -> Result<()> {
+    let (soft, hard) = memlock_limit().map_err(|e| Error::Os {
+        call: "getrlimit(RLIMIT_MEMLOCK)",
+        object: "this process".into(),
+        detail: e,
+    })?;
+    check_memlock_with(needed, soft, hard)
+}
+
+/// `getrlimit(RLIMIT_MEMLOCK)`: (soft, hard) in bytes, `u64::MAX` for
+/// unlimited.
+pub(super) fn memlock_limit() -> Result<(u64, u64), String> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `r` is a valid, writable rlimit for the duration of the call.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().to_string());
+    }
+    // rlim_t is u64 on Linux targets, but not by definition.
+    #[allow(clippy::unnecessary_cast)]
+    let conv = |v: libc::rlim_t| {
+        if v == libc::RLIM_INFINITY {
+            u64::MAX
+        } else {
+            v as u64
+        }
+    };
+    Ok((conv(r.rlim_cur), conv(r.rlim_max)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memlock_message_says_how_to_raise_it() {
+        let e = check_memlock_with(64 << 20, 8 << 20, 8 << 20).unwrap_err();
+        let m = e.to_string();
+        for needle in [
+            "8.0 MiB",
+            "64.0 MiB",
+            "ulimit -l unlimited",
+            "--ulimit memlock=-1",
+            "--propagate=MEMLOCK",
+            "limits.conf",
+        ] {
+            assert!(m.contains(needle), "missing {needle:?} in {m}");
+        }
+        assert!(check_memlock_with(64 << 20, u64::MAX, u64::MAX).is_ok());
+        assert!(check_memlock_with(64 << 20, 64 << 20, 64 << 20).is_ok());
+        assert!(check_memlock(0).is_ok());
+    }
+
+    #[test]
+    fn memlock_limit_reads() {
+        let (soft, hard) = memlock_limit().unwrap();
+        assert!(soft <= hard);
+    }
+}
