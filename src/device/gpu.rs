@@ -118,9 +118,7 @@ fn cubin(arch: &str) -> Result<Arc<Vec<u8>>> {
     let src = CString::new(SOURCE).map_err(|_| Error::InvalidArgument("NUL in arx.cu".into()))?;
     let texts = HEADERS
         .iter()
-        .map(|(n, t)| {
-            CString::new(*t).map_err(|_| Error::InvalidArgument(format!("NUL in {n:?}")))
-        })
+        .map(|(n, t)| CString::new(*t).map_err(|_| Error::InvalidArgument(format!("NUL in {n:?}"))))
         .collect::<Result<Vec<_>>>()?;
     let name = c"arx.cu";
     let headers: Vec<*const std::ffi::c_char> = texts.iter().map(|t| t.as_ptr()).collect();
