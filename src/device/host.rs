@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::layout::{flag_call, flag_seq, flag_word, Layout, Region};
 use crate::proxy::{peer_flags, Shared};
 use crate::spin::Backoff;
-use crate::Config;
+use crate::{Config, Staging};
 
 /// Words of the arrived-flags bit set: two lanes for each of at most
 /// `ARX_MAX_WORLD - 1` peers (kept on the stack: no allocation per call).
@@ -120,6 +120,60 @@ pub(crate) fn allreduce<T: Element>(
         unsafe { region.bytes(off, bytes) }
     };
     sum_in_rank_order(world, part, output);
+
+    // 4. Copy-engine staging: return only once this rank's own sends of
+    //    this call completed locally (`ctrl.sent`). On a GPU instance a host
+    //    call may be followed by GPU calls whose copy-engine staging
+    //    overwrites both send slots while the proxy may still be sending
+    //    this call to later peers (they would sum the next call's partial).
+    //    On a host instance it makes `ARX_STAGING=copy` mean "my sends are
+    //    done when I return".
+    if cfg.staging == Staging::CopyEngine {
+        wait_sent(region, layout, cfg, shared, seq)?;
+    }
     ctrl.done().store(seq, Ordering::Release);
     Ok(())
+}
+
+/// Waits until the proxy reports every send of `seq` complete
+/// (`ctrl.sent >= seq`), pumping it meanwhile; bounded by the timeout and
+/// the abort word (the proxy also releases `sent` after a failure, once
+/// nothing it posted is outstanding).
+fn wait_sent(
+    region: &Region,
+    layout: &Layout,
+    cfg: &Config,
+    shared: &Shared,
+    seq: u64,
+) -> Result<()> {
+    let ctrl = region.ctrl();
+    let start = Instant::now();
+    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
+    loop {
+        if ctrl.sent().load(Ordering::Acquire) >= seq {
+            return Ok(());
+        }
+        if shared.pump(false) {
+            backoff.reset();
+        }
+        if ctrl.aborted() {
+            return Err(shared.error().unwrap_or_else(|| Error::Kernel {
+                seq,
+                detail: "aborted while waiting for this rank's own sends".into(),
+            }));
+        }
+        if start.elapsed() > cfg.timeout {
+            return Err(Error::Timeout {
+                during: "allreduce (waiting for this rank's own sends, ARX_STAGING=copy)",
+                waited: start.elapsed(),
+                detail: format!(
+                    "rank {}, call {seq}: its own proxy reports sends complete only up to call {}; \
+                     the local NIC has not completed them (are the peers' NICs acknowledging?)",
+                    layout.rank(),
+                    ctrl.sent().load(Ordering::Acquire)
+                ),
+            });
+        }
+        backoff.idle();
+    }
 }
