@@ -177,3 +177,172 @@ fn wait_sent(
         backoff.idle();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::allreduce;
+    use crate::config::{Config, Overrides, Staging};
+    use crate::dtype::Element;
+    use crate::error::{Error, Result};
+    use crate::fabric::fake::{Control, FakeFabric};
+    use crate::layout::{flag_word, Layout, Region};
+    use crate::proxy::Proxy;
+    use crate::verify;
+
+    const SEED: u64 = 0x5eed_0003;
+    const COUNT: usize = 1000;
+
+    /// Rank 0 of 2 with a proxy over a fake fabric; rank 1 is played by
+    /// the test, writing its partial and flags into rank 0's region.
+    struct Rig {
+        region: Arc<Region>,
+        layout: Layout,
+        cfg: Config,
+        control: Arc<Control>,
+        proxy: Proxy,
+    }
+
+    fn rig(staging: Staging, timeout: Duration) -> Rig {
+        let layout = Layout::new(2, 0, 64 << 10).unwrap();
+        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
+        let o = Overrides {
+            staging: Some(staging),
+            timeout: Some(timeout),
+            ..Default::default()
+        };
+        let cfg = Config::resolve_with(&o, |_| None).unwrap();
+        let (fabric, control) = FakeFabric::new();
+        let proxy = Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        Rig {
+            region,
+            layout,
+            cfg,
+            control,
+            proxy,
+        }
+    }
+
+    impl Rig {
+        /// Rank 1's partial of call `seq` and its flags, as its proxy
+        /// would write them.
+        fn peer_sends(&self, seq: u64) {
+            let p = (seq & 1) as usize;
+            let part = verify::input::<f32>(SEED, seq, 1, COUNT);
+            self.region
+                .write(self.layout.recv_offset(p, 1), bytemuck::cast_slice(&part));
+            let flag = flag_word(seq, f32::DTYPE.code(), COUNT);
+            for lane in 0..2 {
+                self.region
+                    .u64_at(self.layout.flag_offset(p, 1, lane))
+                    .store(flag, Ordering::Release);
+            }
+        }
+
+        /// Rank 0's call `seq` on seeded input into a poisoned output.
+        fn call(&self, seq: u64) -> (Result<()>, Vec<f32>) {
+            let input = verify::input::<f32>(SEED, seq, 0, COUNT);
+            let mut out = vec![0f32; COUNT];
+            verify::poison(&mut out);
+            let r = allreduce(
+                &self.region,
+                &self.layout,
+                &self.cfg,
+                self.proxy.shared(),
+                seq,
+                Some(&input),
+                &mut out,
+            );
+            (r, out)
+        }
+
+        fn sent(&self) -> u64 {
+            self.region.ctrl().sent().load(Ordering::Acquire)
+        }
+    }
+
+    fn assert_sum(seq: u64, out: &[f32]) {
+        let want = verify::expected::<f32>(SEED, seq, 2, COUNT);
+        assert_eq!(verify::count_wrong(out, &want), 0, "call {seq}: wrong sum");
+    }
+
+    #[test]
+    fn copy_staging_returns_only_once_own_sends_completed() {
+        let r = rig(Staging::CopyEngine, Duration::from_secs(10));
+        for seq in 1..=3 {
+            r.peer_sends(seq);
+            // The fabric completes the call's writes a while after the
+            // peer's flags are there.
+            let control = Arc::clone(&r.control);
+            let release = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                control.completed.store(seq, Ordering::Release);
+            });
+            let (res, out) = r.call(seq);
+            let sent = r.sent();
+            release.join().unwrap();
+            res.unwrap();
+            assert!(sent >= seq, "call {seq} returned with ctrl.sent = {sent}");
+            assert_sum(seq, &out);
+        }
+    }
+
+    #[test]
+    fn copy_staging_times_out_naming_its_own_sends() {
+        let r = rig(Staging::CopyEngine, Duration::from_millis(300));
+        r.peer_sends(1);
+        let (res, out) = r.call(1);
+        match res {
+            Err(Error::Timeout { during, detail, .. }) => {
+                assert!(during.contains("own sends"), "{during}");
+                assert!(detail.contains("rank 0, call 1") && detail.contains("own proxy"), "{detail}");
+            }
+            other => panic!("expected a timeout on this rank's own sends, got {other:?}"),
+        }
+        // The sum itself was complete; only the sends were not.
+        assert_sum(1, &out);
+        r.control.completed.store(1, Ordering::Release);
+    }
+
+    #[test]
+    fn copy_staging_after_a_failure_returns_at_once() {
+        // The peer is silent and this rank's post fails: the error, at once.
+        let r = rig(Staging::CopyEngine, Duration::from_secs(10));
+        r.control.fail_at.store(1, Ordering::Release);
+        let t = std::time::Instant::now();
+        let (res, _) = r.call(1);
+        assert!(matches!(&res, Err(Error::Proxy(m)) if m.contains("call 1")), "{res:?}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+        // The peer's partial arrived but this rank's post fails: the sum is
+        // right, the proxy releases `sent` (nothing is outstanding) and the
+        // call returns at once, Ok (the error comes with the next call) or
+        // with the error; never a wrong sum, never the timeout.
+        let r = rig(Staging::CopyEngine, Duration::from_secs(10));
+        r.control.fail_at.store(1, Ordering::Release);
+        r.peer_sends(1);
+        let t = std::time::Instant::now();
+        let (res, out) = r.call(1);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        match res {
+            Ok(()) => assert_sum(1, &out),
+            Err(Error::Proxy(m)) => assert!(m.contains("call 1"), "{m}"),
+            Err(e) => panic!("unexpected error {e}"),
+        }
+        assert!(r.proxy.shared().error().is_some());
+    }
+
+    #[test]
+    fn sm_staging_does_not_wait_for_own_sends() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        r.peer_sends(1);
+        let (res, out) = r.call(1);
+        res.unwrap();
+        assert_sum(1, &out);
+        assert_eq!(r.sent(), 0, "nothing completed, yet sent moved");
+        r.control.completed.store(1, Ordering::Release);
+    }
+}
