@@ -6,7 +6,8 @@
 //! mpirun -n 2 target/release/examples/allreduce_perf -b 8K -e 1M -f 2 -n 200 -w 20 -d bfloat16
 //! ```
 //!
-//! Times are the slowest rank's mean per call. `--check` (or `-c 1`)
+//! Times are the slowest rank's mean per call (`--median`: its median call,
+//! robust to the stalls of an emulated or shared machine). `--check` (or `-c 1`)
 //! validates every size against an independent reference on every rank
 //! (seeded inputs, poisoned outputs, equal digests across ranks) and exits
 //! non-zero if any element is wrong.
@@ -51,6 +52,10 @@ struct Args {
     /// Skip the MPI_Allreduce comparison.
     #[arg(long)]
     no_mpi: bool,
+    /// Time every arx call and report the slowest rank's median call
+    /// instead of its mean.
+    #[arg(long)]
+    median: bool,
 }
 
 struct Row {
@@ -133,10 +138,11 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
                 .unwrap_or("?")
         );
         println!(
-            "# iters {} warmup {} check {}",
+            "# iters {} warmup {} check {} | arx time: {} per call",
             args.iters,
             args.warmup,
-            if check { "every size" } else { "off" }
+            if check { "every size" } else { "off" },
+            if args.median { "median" } else { "mean" }
         );
         if !args.no_mpi {
             println!("# MPI_Allreduce: float sum over the same number of bytes (MPI has no bfloat16/half sum)");
@@ -272,14 +278,22 @@ fn measure<T: Element>(
         arx.allreduce_host(&input, &mut out).map_err(fail)?;
     }
     world.barrier();
+    let mut calls = Vec::with_capacity(if args.median { args.iters.max(1) } else { 0 });
     let t = Instant::now();
     for _ in 0..args.iters.max(1) {
+        let c = Instant::now();
         arx.allreduce_host(&input, &mut out).map_err(fail)?;
+        if args.median {
+            calls.push(c.elapsed().as_secs_f64());
+        }
     }
-    let arx_us = slowest(
-        world,
-        t.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64,
-    );
+    let local = if args.median {
+        calls.sort_by(f64::total_cmp);
+        calls[calls.len() / 2]
+    } else {
+        t.elapsed().as_secs_f64() / args.iters.max(1) as f64
+    };
+    let arx_us = slowest(world, local * 1e6);
 
     let mut wrong = 0u64;
     if check {

@@ -412,11 +412,14 @@ mod tests {
         let cfg = Config::resolve_with(&o, |_| None).unwrap();
         let (fabric, control) = FakeFabric::new();
         control.fail_at.store(2, Ordering::Release);
-        let proxy = Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        let proxy =
+            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
         let ctrl = region.ctrl();
         for seq in 1..=3u64 {
-            ctrl.meta((seq & 1) as usize)
-                .store(flag_word(seq, crate::abi::ARX_DTYPE_F32, 8), Ordering::Relaxed);
+            ctrl.meta((seq & 1) as usize).store(
+                flag_word(seq, crate::abi::ARX_DTYPE_F32, 8),
+                Ordering::Relaxed,
+            );
         }
         ctrl.seq().store(3, Ordering::Release);
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -426,7 +429,11 @@ mod tests {
         }
         assert!(proxy.shared().error().is_some());
         std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(ctrl.sent().load(Ordering::Acquire), 0, "call 1 still in flight");
+        assert_eq!(
+            ctrl.sent().load(Ordering::Acquire),
+            0,
+            "call 1 still in flight"
+        );
         // Call 1's writes complete (or are flushed): nothing is outstanding.
         control.completed.store(1, Ordering::Release);
         while ctrl.sent().load(Ordering::Acquire) < 3 {

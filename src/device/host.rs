@@ -216,7 +216,8 @@ mod tests {
         };
         let cfg = Config::resolve_with(&o, |_| None).unwrap();
         let (fabric, control) = FakeFabric::new();
-        let proxy = Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        let proxy =
+            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
         Rig {
             region,
             layout,
@@ -298,7 +299,10 @@ mod tests {
         match res {
             Err(Error::Timeout { during, detail, .. }) => {
                 assert!(during.contains("own sends"), "{during}");
-                assert!(detail.contains("rank 0, call 1") && detail.contains("own proxy"), "{detail}");
+                assert!(
+                    detail.contains("rank 0, call 1") && detail.contains("own proxy"),
+                    "{detail}"
+                );
             }
             other => panic!("expected a timeout on this rank's own sends, got {other:?}"),
         }
@@ -314,7 +318,10 @@ mod tests {
         r.control.fail_at.store(1, Ordering::Release);
         let t = std::time::Instant::now();
         let (res, _) = r.call(1);
-        assert!(matches!(&res, Err(Error::Proxy(m)) if m.contains("call 1")), "{res:?}");
+        assert!(
+            matches!(&res, Err(Error::Proxy(m)) if m.contains("call 1")),
+            "{res:?}"
+        );
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 
         // The peer's partial arrived but this rank's post fails: the sum is

@@ -1941,7 +1941,10 @@ mod tests {
         // A stale or foreign count changes nothing.
         m.ledger.complete(3);
         m.ledger.complete(u64::MAX);
-        assert_eq!((m.ledger.completed, m.ledger.done_seq), (m.ledger.posted, seq));
+        assert_eq!(
+            (m.ledger.completed, m.ledger.done_seq),
+            (m.ledger.posted, seq)
+        );
     }
 
     #[test]
