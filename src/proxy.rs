@@ -27,7 +27,8 @@ use crate::spin::Backoff;
 struct Engine {
     fabric: Box<dyn Fabric>,
     posted: u64,
-    /// Last seq whose sends all completed locally (mirrored in ctrl.sent).
+    /// Mirrored in `ctrl.sent`: every call up to it no longer needs its
+    /// send slot (see [`next_sent`]).
     sent: u64,
 }
 
@@ -79,11 +80,16 @@ impl Shared {
         if let Err(e) = g.fabric.progress() {
             self.record(e);
         }
-        // Every send up to `posted` completed locally: its send slots may be
-        // reused (the GPU side's copy-engine staging waits for this).
-        if g.posted > g.sent && g.fabric.quiescent() {
-            g.sent = g.posted;
-            ctrl.sent().store(g.sent, Ordering::Release);
+        let sent = next_sent(
+            g.sent,
+            g.posted,
+            ctrl.seq().load(Ordering::Acquire),
+            g.fabric.completed_through(g.posted),
+            self.failed.load(Ordering::Acquire) && g.fabric.quiescent(),
+        );
+        if sent > g.sent {
+            g.sent = sent;
+            ctrl.sent().store(sent, Ordering::Release);
         }
         busy
     }
@@ -115,6 +121,29 @@ impl Shared {
         self.failed.store(true, Ordering::Release);
         self.region.ctrl().abort().store(1, Ordering::Release);
     }
+}
+
+/// What `ctrl.sent` says after a pump: the last call whose send slot will
+/// not be read again, so that the device side may overwrite it (the GPU
+/// side's copy-engine staging fills both slots before its kernel, and the
+/// Host side with `ARX_STAGING=copy` returns only once its call is sent).
+/// Never decreases.
+///
+/// * Healthy: the last call whose every write completed locally
+///   ([`Fabric::completed_through`]), at most `posted`.
+/// * Failed (`failed_idle`: an error is recorded and the fabric has nothing
+///   outstanding, flushed writes counted): the proxy posts nothing after an
+///   error, so no send slot is ever read again and every `published` call
+///   counts as sent. A device side waiting for `sent` is released at once
+///   rather than at its timeout, and finds the error through the abort
+///   word.
+fn next_sent(prev: u64, posted: u64, published: u64, completed: u64, failed_idle: bool) -> u64 {
+    let now = if failed_idle {
+        published
+    } else {
+        completed.min(posted)
+    };
+    prev.max(now)
 }
 
 /// Handle to the running proxy thread; stops and joins it on drop.
@@ -352,7 +381,8 @@ pub(crate) fn check(proxy: &Proxy) -> Result<()> {
 mod tests {
     use super::*;
     use crate::config::Overrides;
-    use crate::layout::Backing;
+    use crate::fabric::fake::FakeFabric;
+    use crate::layout::{flag_word, Backing};
 
     type Log = Arc<Mutex<Vec<&'static str>>>;
 
@@ -417,5 +447,77 @@ mod tests {
         .unwrap();
         drop(proxy);
         assert_eq!(*log.lock().unwrap(), ["fabric", "region"]);
+    }
+
+    #[test]
+    fn sent_follows_completion_and_never_goes_back() {
+        // Healthy: what the fabric completed, never beyond what was posted.
+        assert_eq!(next_sent(0, 5, 6, 3, false), 3);
+        assert_eq!(next_sent(3, 5, 6, 9, false), 5);
+        assert_eq!(next_sent(4, 5, 6, 2, false), 4);
+        // Nothing posted yet.
+        assert_eq!(next_sent(0, 0, 1, 0, false), 0);
+    }
+
+    #[test]
+    fn sent_after_a_failure_covers_every_published_call_once_idle() {
+        // Failed with writes still outstanding (failed_idle false): only
+        // what completed; a send slot may still be read.
+        assert_eq!(next_sent(2, 7, 9, 4, false), 4);
+        // Failed and idle: calls 8 and 9 were never posted and never will
+        // be; the writes of calls 5 to 7 completed or were flushed.
+        assert_eq!(next_sent(4, 7, 9, 4, true), 9);
+        // A call published after the failure is released too.
+        assert_eq!(next_sent(9, 7, 10, 4, true), 10);
+    }
+
+    /// A proxy whose fabric fails posting call 2 while call 1's writes are
+    /// outstanding: `sent` must not cover call 1 before its writes are done
+    /// (or flushed), and must then cover every published call, so that a
+    /// device side waiting for it is released before its timeout.
+    #[test]
+    fn a_failed_proxy_releases_sent_once_nothing_is_outstanding() {
+        let layout = Layout::new(2, 0, 4096).unwrap();
+        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
+        let o = Overrides {
+            timeout: Some(Duration::from_secs(10)),
+            ..Default::default()
+        };
+        let cfg = Config::resolve_with(&o, |_| None).unwrap();
+        let (fabric, control) = FakeFabric::new();
+        control.fail_at.store(2, Ordering::Release);
+        let proxy =
+            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        let ctrl = region.ctrl();
+        for seq in 1..=3u64 {
+            ctrl.meta((seq & 1) as usize).store(
+                flag_word(seq, crate::abi::ARX_DTYPE_F32, 8),
+                Ordering::Relaxed,
+            );
+        }
+        ctrl.seq().store(3, Ordering::Release);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !ctrl.aborted() {
+            assert!(Instant::now() < deadline, "the failure was never recorded");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(proxy.shared().error().is_some());
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            ctrl.sent().load(Ordering::Acquire),
+            0,
+            "call 1 still in flight"
+        );
+        // Call 1's writes complete (or are flushed): nothing is outstanding.
+        control.completed.store(1, Ordering::Release);
+        while ctrl.sent().load(Ordering::Acquire) < 3 {
+            assert!(
+                Instant::now() < deadline,
+                "sent stayed at {}",
+                ctrl.sent().load(Ordering::Acquire)
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(ctrl.sent().load(Ordering::Acquire), 3);
     }
 }

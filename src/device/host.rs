@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::layout::{flag_call, flag_seq, flag_word, Layout, Region};
 use crate::proxy::{peer_flags, Shared};
 use crate::spin::Backoff;
-use crate::Config;
+use crate::{Config, Staging};
 
 /// Words of the arrived-flags bit set: two lanes for each of at most
 /// `ARX_MAX_WORLD - 1` peers (kept on the stack: no allocation per call).
@@ -124,6 +124,240 @@ pub(crate) fn allreduce<T: Element>(
         unsafe { region.read_into(off + at, dst) }
     };
     sum_in_rank_order(world, part, output);
+
+    // 4. Copy-engine staging: return only once this rank's own sends of
+    //    this call completed locally (`ctrl.sent`). On a GPU instance a host
+    //    call may be followed by GPU calls whose copy-engine staging
+    //    overwrites both send slots while the proxy may still be sending
+    //    this call to later peers (they would sum the next call's partial).
+    //    On a host instance it makes `ARX_STAGING=copy` mean "my sends are
+    //    done when I return".
+    if cfg.staging == Staging::CopyEngine {
+        wait_sent(region, layout, cfg, shared, seq)?;
+    }
     ctrl.done().store(seq, Ordering::Release);
     Ok(())
+}
+
+/// Waits until the proxy reports every send of `seq` complete
+/// (`ctrl.sent >= seq`), pumping it meanwhile; bounded by the timeout and
+/// the abort word (the proxy also releases `sent` after a failure, once
+/// nothing it posted is outstanding).
+fn wait_sent(
+    region: &Region,
+    layout: &Layout,
+    cfg: &Config,
+    shared: &Shared,
+    seq: u64,
+) -> Result<()> {
+    let ctrl = region.ctrl();
+    let start = Instant::now();
+    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
+    loop {
+        if ctrl.sent().load(Ordering::Acquire) >= seq {
+            return Ok(());
+        }
+        if shared.pump(false) {
+            backoff.reset();
+        }
+        if ctrl.aborted() {
+            return Err(shared.error().unwrap_or_else(|| Error::Kernel {
+                seq,
+                detail: "aborted while waiting for this rank's own sends".into(),
+            }));
+        }
+        if start.elapsed() > cfg.timeout {
+            return Err(Error::Timeout {
+                during: "allreduce (waiting for this rank's own sends, ARX_STAGING=copy)",
+                waited: start.elapsed(),
+                detail: format!(
+                    "rank {}, call {seq}: its own proxy reports sends complete only up to call {}; \
+                     the local NIC has not completed them (are the peers' NICs acknowledging?)",
+                    layout.rank(),
+                    ctrl.sent().load(Ordering::Acquire)
+                ),
+            });
+        }
+        backoff.idle();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::allreduce;
+    use crate::config::{Config, Overrides, Staging};
+    use crate::dtype::Element;
+    use crate::error::{Error, Result};
+    use crate::fabric::fake::{Control, FakeFabric};
+    use crate::layout::{flag_word, Layout, Region};
+    use crate::proxy::Proxy;
+    use crate::verify;
+
+    const SEED: u64 = 0x5eed_0003;
+    const COUNT: usize = 1000;
+
+    /// Rank 0 of 2 with a proxy over a fake fabric; rank 1 is played by
+    /// the test, writing its partial and flags into rank 0's region.
+    struct Rig {
+        region: Arc<Region>,
+        layout: Layout,
+        cfg: Config,
+        control: Arc<Control>,
+        proxy: Proxy,
+    }
+
+    fn rig(staging: Staging, timeout: Duration) -> Rig {
+        let layout = Layout::new(2, 0, 64 << 10).unwrap();
+        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
+        let o = Overrides {
+            staging: Some(staging),
+            timeout: Some(timeout),
+            ..Default::default()
+        };
+        let cfg = Config::resolve_with(&o, |_| None).unwrap();
+        let (fabric, control) = FakeFabric::new();
+        let proxy =
+            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        Rig {
+            region,
+            layout,
+            cfg,
+            control,
+            proxy,
+        }
+    }
+
+    impl Rig {
+        /// Rank 1's partial of call `seq` and its flags, as its proxy
+        /// would write them.
+        fn peer_sends(&self, seq: u64) {
+            let p = (seq & 1) as usize;
+            let part = verify::input::<f32>(SEED, seq, 1, COUNT);
+            // SAFETY: the test plays rank 1's proxy: nobody else writes this
+            // receive slot, and rank 0 reads it only after the flags below.
+            unsafe {
+                self.region
+                    .write(self.layout.recv_offset(p, 1), bytemuck::cast_slice(&part));
+            }
+            let flag = flag_word(seq, f32::DTYPE.code(), COUNT);
+            for lane in 0..2 {
+                self.region
+                    .u64_at(self.layout.flag_offset(p, 1, lane))
+                    .store(flag, Ordering::Release);
+            }
+        }
+
+        /// Rank 0's call `seq` on seeded input into a poisoned output.
+        fn call(&self, seq: u64) -> (Result<()>, Vec<f32>) {
+            let input = verify::input::<f32>(SEED, seq, 0, COUNT);
+            let mut out = vec![0f32; COUNT];
+            verify::poison(&mut out);
+            let r = allreduce(
+                &self.region,
+                &self.layout,
+                &self.cfg,
+                self.proxy.shared(),
+                seq,
+                Some(&input),
+                &mut out,
+            );
+            (r, out)
+        }
+
+        fn sent(&self) -> u64 {
+            self.region.ctrl().sent().load(Ordering::Acquire)
+        }
+    }
+
+    fn assert_sum(seq: u64, out: &[f32]) {
+        let want = verify::expected::<f32>(SEED, seq, 2, COUNT);
+        assert_eq!(verify::count_wrong(out, &want), 0, "call {seq}: wrong sum");
+    }
+
+    #[test]
+    fn copy_staging_returns_only_once_own_sends_completed() {
+        let r = rig(Staging::CopyEngine, Duration::from_secs(10));
+        for seq in 1..=3 {
+            r.peer_sends(seq);
+            // The fabric completes the call's writes a while after the
+            // peer's flags are there.
+            let control = Arc::clone(&r.control);
+            let release = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                control.completed.store(seq, Ordering::Release);
+            });
+            let (res, out) = r.call(seq);
+            let sent = r.sent();
+            release.join().unwrap();
+            res.unwrap();
+            assert!(sent >= seq, "call {seq} returned with ctrl.sent = {sent}");
+            assert_sum(seq, &out);
+        }
+    }
+
+    #[test]
+    fn copy_staging_times_out_naming_its_own_sends() {
+        let r = rig(Staging::CopyEngine, Duration::from_millis(300));
+        r.peer_sends(1);
+        let (res, out) = r.call(1);
+        match res {
+            Err(Error::Timeout { during, detail, .. }) => {
+                assert!(during.contains("own sends"), "{during}");
+                assert!(
+                    detail.contains("rank 0, call 1") && detail.contains("own proxy"),
+                    "{detail}"
+                );
+            }
+            other => panic!("expected a timeout on this rank's own sends, got {other:?}"),
+        }
+        // The sum itself was complete; only the sends were not.
+        assert_sum(1, &out);
+        r.control.completed.store(1, Ordering::Release);
+    }
+
+    #[test]
+    fn copy_staging_after_a_failure_returns_at_once() {
+        // The peer is silent and this rank's post fails: the error, at once.
+        let r = rig(Staging::CopyEngine, Duration::from_secs(10));
+        r.control.fail_at.store(1, Ordering::Release);
+        let t = std::time::Instant::now();
+        let (res, _) = r.call(1);
+        assert!(
+            matches!(&res, Err(Error::Proxy(m)) if m.contains("call 1")),
+            "{res:?}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+
+        // The peer's partial arrived but this rank's post fails: the sum is
+        // right, the proxy releases `sent` (nothing is outstanding) and the
+        // call returns at once, Ok (the error comes with the next call) or
+        // with the error; never a wrong sum, never the timeout.
+        let r = rig(Staging::CopyEngine, Duration::from_secs(10));
+        r.control.fail_at.store(1, Ordering::Release);
+        r.peer_sends(1);
+        let t = std::time::Instant::now();
+        let (res, out) = r.call(1);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        match res {
+            Ok(()) => assert_sum(1, &out),
+            Err(Error::Proxy(m)) => assert!(m.contains("call 1"), "{m}"),
+            Err(e) => panic!("unexpected error {e}"),
+        }
+        assert!(r.proxy.shared().error().is_some());
+    }
+
+    #[test]
+    fn sm_staging_does_not_wait_for_own_sends() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        r.peer_sends(1);
+        let (res, out) = r.call(1);
+        res.unwrap();
+        assert_sum(1, &out);
+        assert_eq!(r.sent(), 0, "nothing completed, yet sent moved");
+        r.control.completed.store(1, Ordering::Release);
+    }
 }

@@ -65,6 +65,14 @@ impl Fabric for Delayed {
     fn quiescent(&self) -> bool {
         self.queue.is_empty() && self.inner.quiescent()
     }
+    fn completed_through(&self, posted: u64) -> u64 {
+        // Only what was handed to the real fabric can have completed.
+        let handed = self
+            .queue
+            .front()
+            .map_or(posted, |&(_, seq, _, _)| seq.saturating_sub(1));
+        self.inner.completed_through(handed)
+    }
     fn describe(&self) -> String {
         format!(
             "{} (every post delayed by {:?}: {VAR})",

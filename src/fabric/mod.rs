@@ -23,10 +23,20 @@ pub(crate) trait Fabric: Send {
     /// flag word `flag` to every peer. Must not wait on remote progress
     /// without bound.
     fn post(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()>;
-    /// Reaps completions; an error names the peer, lane and device.
+    /// Reaps completions; an error names the peer, lane and device. Keeps
+    /// reaping after a failure (returning the failure again), so that WRs
+    /// flushed by a broken endpoint stop counting as outstanding.
     fn progress(&mut self) -> Result<()>;
-    /// True once everything posted has completed locally.
+    /// True when nothing posted is outstanding any more: every write
+    /// completed locally, successfully or flushed by a failure.
     fn quiescent(&self) -> bool;
+    /// The last call, at most `posted` (the last seq handed to
+    /// [`Fabric::post`]), whose every write has completed locally: its send
+    /// slot is no longer read and may be overwritten. Fabrics whose `post`
+    /// returns only once its writes are done (Shm) return `posted`.
+    fn completed_through(&self, posted: u64) -> u64 {
+        posted
+    }
     /// One line describing the fabric (devices, GIDs, MTU, segment).
     fn describe(&self) -> String;
     /// Puts the endpoint to `peer` on `lane` into an error state (fault
@@ -49,5 +59,70 @@ pub(crate) trait Fabric: Send {
     /// then closes collectively (drain, barrier, destroy).
     fn needs_collective_close(&self) -> bool {
         false
+    }
+}
+
+/// A fabric for unit tests of the proxy and the device sides: posts go
+/// nowhere, and the test decides how far they have completed.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use super::Fabric;
+    use crate::error::{Error, Result};
+
+    /// What a test controls: the last call completed locally, and whether
+    /// posting fails from some call on.
+    #[derive(Default)]
+    pub(crate) struct Control {
+        /// Calls up to this one have completed locally.
+        pub completed: AtomicU64,
+        /// `post` of this call (and later) fails; 0: never.
+        pub fail_at: AtomicU64,
+    }
+
+    pub(crate) struct FakeFabric {
+        pub control: Arc<Control>,
+        posted: u64,
+    }
+
+    impl FakeFabric {
+        pub(crate) fn new() -> (Self, Arc<Control>) {
+            let control = Arc::new(Control::default());
+            (
+                FakeFabric {
+                    control: Arc::clone(&control),
+                    posted: 0,
+                },
+                control,
+            )
+        }
+    }
+
+    impl Fabric for FakeFabric {
+        fn name(&self) -> &'static str {
+            "fake"
+        }
+        fn post(&mut self, seq: u64, _bytes: usize, _flag: u64) -> Result<()> {
+            let fail_at = self.control.fail_at.load(Ordering::Acquire);
+            if fail_at != 0 && seq >= fail_at {
+                return Err(Error::Proxy(format!("fake post of call {seq} failed")));
+            }
+            self.posted = seq;
+            Ok(())
+        }
+        fn progress(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn quiescent(&self) -> bool {
+            self.control.completed.load(Ordering::Acquire) >= self.posted
+        }
+        fn completed_through(&self, posted: u64) -> u64 {
+            posted.min(self.control.completed.load(Ordering::Acquire))
+        }
+        fn describe(&self) -> String {
+            "fake".into()
+        }
     }
 }

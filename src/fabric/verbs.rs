@@ -16,13 +16,27 @@
 //! stack), into the peer's `flags[p][r][lane]`. RC delivers the writes of one
 //! QP in order, so the flag never lands before its data.
 //!
-//! Selective signalling, counted per QP: a WR is signalled every
-//! [`SIGNAL_EVERY`] WRs and when it makes the send queue full; a signalled
-//! completion retires every earlier WR of its QP. A post that would overfill
-//! the queue polls until there is room, bounded by the timeout. An
-//! unsignalled tail left by an idle proxy is flushed by re-writing the last
-//! flag word signalled (idempotent), so that [`Fabric::quiescent`] becomes
-//! true and shutdown can drain.
+//! Selective signalling, counted per QP ([`Ledger`]): a WR is signalled
+//! every [`SIGNAL_EVERY`] WRs and when it makes the send queue full; a
+//! signalled completion retires every earlier WR of its QP. A post that
+//! would overfill the queue polls until there is room, bounded by the
+//! timeout. Each QP's ledger records which call every outstanding WR
+//! completes, and [`Fabric::completed_through`] is the last call every QP
+//! has completed: the proxy publishes it as `ctrl.sent` (the send slot of
+//! that call may be overwritten). Copy-engine staging waits for `sent` on
+//! every call, so with `ARX_STAGING=copy` the last WR of every call is
+//! signalled on every QP, and `sent` follows each call within an
+//! acknowledgement's time. Otherwise an unsignalled tail left by an idle
+//! proxy is flushed after [`FLUSH_AFTER`] by re-writing the last flag word
+//! signalled (idempotent), so that [`Fabric::quiescent`] becomes true and
+//! shutdown can drain.
+//!
+//! Every completion queue holds a completion for every WR that can be
+//! outstanding on the QPs that share it ([`cq_depth`]): a QP in error
+//! flushes each of its WRs with a completion, signalled or not, and an
+//! overflowing CQ would lose them. Flushed WRs count as completed, so after
+//! a failure the fabric becomes quiescent once the broken QPs are flushed
+//! and the healthy ones have delivered (the proxy then releases `sent`).
 //!
 //! On a failed post or completion this rank records the error (the proxy
 //! raises the abort word) and, to spare its peers the full timeout, writes
@@ -40,8 +54,10 @@
 //! its own sends nobody still waits for an acknowledgement.
 //!
 //! Resource lifetime is right by construction: each verbs object holds an
-//! `Arc` of its parents (QP → PD, CQ; MR → PD; PD, CQ → context), so
-//! children are destroyed before their parents whatever the drop order.
+//! `Arc` of its parents (QP → PD, CQ; MR → PD and the region it registers;
+//! PD, CQ → context), so children are destroyed before their parents
+//! whatever the drop order, and the region stays mapped until it is
+//! deregistered.
 //! All `unsafe` of the fabric lives in this file.
 
 use std::ffi::{c_int, CStr};
@@ -52,7 +68,7 @@ use std::time::{Duration, Instant};
 use rdma_sys::*;
 
 use crate::bootstrap::Bootstrap;
-use crate::config::Config;
+use crate::config::{Config, Staging};
 use crate::dtype::POISON_COUNT;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
@@ -63,7 +79,11 @@ use crate::topology::{self, LaneDevice};
 const LANES: usize = crate::abi::ARX_LANES as usize;
 /// Send-queue depth per QP (WRs). Each call uses at most 2 per QP.
 const SQ_DEPTH: u32 = 128;
-/// Signal one WR in this many per QP.
+/// Receive-queue depth per QP (RDMA WRITE consumes no receive WR; one
+/// keeps every provider happy).
+const RQ_DEPTH: u32 = 1;
+/// Signal one WR in this many per QP (and, with per-call completion, the
+/// last WR of every call).
 const SIGNAL_EVERY: u64 = 16;
 /// Bytes of inline data requested per WR (the flag needs 8).
 const INLINE_BYTES: u32 = 64;
@@ -286,21 +306,23 @@ impl Drop for Pd {
     }
 }
 
-/// The region's registration on one device.
+/// The region's registration on one device. It holds the region (as an
+/// `Arc`), so the memory stays mapped until the MR is deregistered, whoever
+/// drops last (a proxy thread left detached included).
 struct Mr {
     raw: NonNull<ibv_mr>,
     pd: Arc<Pd>,
+    region: Arc<Region>,
 }
 
 impl Mr {
-    fn register(pd: &Arc<Pd>, region: &Region) -> Result<Self> {
+    fn register(pd: &Arc<Pd>, region: &Arc<Region>) -> Result<Self> {
         // Relaxed ordering is deliberately absent: it would let the NIC
         // commit the flag's PCIe write before the data's.
         let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
             | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
-        // SAFETY: the region is valid for `len` bytes; the fabric (and so
-        // this MR) is dropped before the region (the proxy that owns the
-        // fabric holds an Arc of the region).
+        // SAFETY: the region is valid for `len` bytes and stays so while
+        // the MR exists: the MR keeps an Arc of it.
         let raw = unsafe {
             ibv_reg_mr(
                 pd.raw.as_ptr(),
@@ -328,6 +350,7 @@ impl Mr {
         Ok(Mr {
             raw,
             pd: Arc::clone(pd),
+            region: Arc::clone(region),
         })
     }
 
@@ -345,12 +368,13 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: registered by ibv_reg_mr; no QP uses it once the fabric is
-        // being dropped.
+        // being dropped. The region (our Arc) is released only after this.
         let rc = unsafe { ibv_dereg_mr(self.raw.as_ptr()) };
         if rc != 0 {
             log::warn!(
-                "arx verbs: ibv_dereg_mr({}) failed: {}",
+                "arx verbs: ibv_dereg_mr({}, {} bytes) failed: {}",
                 self.pd.ctx.name,
+                self.region.len(),
                 errno_text(rc)
             );
         }
@@ -406,6 +430,125 @@ impl Drop for Cq {
     }
 }
 
+// ------------------------------------------------------------ send accounting
+
+/// Most WRs in one chain (a call's data and flag; poisoned flags: 2 calls × 2
+/// lanes).
+const MAX_CHAIN: usize = 4;
+
+/// Entries a completion queue shared by `qps` QPs needs. A QP in error
+/// completes every WR it has outstanding (a flush), signalled or not, so the
+/// queue must hold every WR that can be outstanding on all of them: the send
+/// queue as [`Ledger::has_room`] bounds it, and the receive queue (no receive
+/// is ever posted; counted all the same). A full CQ drops completions — the
+/// poisoned flags' that tell peers about a failure among them.
+fn cq_depth(qps: usize) -> usize {
+    (qps * (SQ_DEPTH + RQ_DEPTH) as usize).max(16)
+}
+
+/// The send accounting of one QP, kept apart from the verbs calls so that
+/// it can be tested without a device: WR counts, which WRs to signal, and
+/// which call each outstanding WR completes.
+///
+/// WRs are counted from 1 per QP. The completion of WR `c` (signalled, or
+/// flushed by a QP in error) retires every WR up to `c`: RC completes one
+/// QP's WRs in order.
+#[derive(Debug)]
+struct Ledger {
+    /// WRs ever posted; WRs known complete; count at the last signalled WR.
+    posted: u64,
+    completed: u64,
+    signaled: u64,
+    /// Most WRs outstanding (the send queue depth granted, at most
+    /// [`SQ_DEPTH`]).
+    depth: u64,
+    /// The last call with a WR on this QP.
+    last_seq: u64,
+    /// Every WR of this call and of the calls before it has completed.
+    done_seq: u64,
+    /// `seq_at[c % depth]`: the call complete on this QP once WR `c`
+    /// completes. Unique among outstanding WRs: at most `depth` are.
+    seq_at: Box<[u64]>,
+}
+
+impl Ledger {
+    fn new(depth: u64) -> Self {
+        let depth = depth.max(1);
+        Ledger {
+            posted: 0,
+            completed: 0,
+            signaled: 0,
+            depth,
+            last_seq: 0,
+            done_seq: 0,
+            seq_at: vec![0; depth as usize].into_boxed_slice(),
+        }
+    }
+
+    fn outstanding(&self) -> u64 {
+        self.posted - self.completed
+    }
+
+    /// True if `n` more WRs fit without overfilling the send queue.
+    fn has_room(&self, n: u64) -> bool {
+        self.outstanding() + n <= self.depth
+    }
+
+    /// Which WRs of a chain of `len` to signal (bit k: WR k): one every
+    /// [`SIGNAL_EVERY`], the one that fills the queue (a full queue must be
+    /// able to drain), and the last when `signal_last` (per-call completion,
+    /// or a tail that must complete observably).
+    fn plan(&self, len: usize, signal_last: bool) -> u32 {
+        let mut signaled = self.signaled;
+        let mut bits = 0;
+        for k in 0..len {
+            let count = self.posted + k as u64 + 1;
+            if count - signaled >= SIGNAL_EVERY
+                || count - self.completed >= self.depth
+                || (signal_last && k + 1 == len)
+            {
+                bits |= 1 << k;
+                signaled = count;
+            }
+        }
+        bits
+    }
+
+    /// Records that the first `n` WRs of a chain of `len` planned as `plan`
+    /// were posted. The chain's last WR completes call `seq`; its other WRs
+    /// (and every WR of a chain with `seq` None: a re-written flag, poisoned
+    /// flags) complete only what this QP had before.
+    fn commit(&mut self, n: usize, len: usize, plan: u32, seq: Option<u64>) {
+        let before = self.last_seq;
+        for k in 0..n {
+            let count = self.posted + 1;
+            let upto = match seq {
+                Some(s) if k + 1 == len => s,
+                _ => before,
+            };
+            self.seq_at[(count % self.depth) as usize] = upto;
+            if plan & (1 << k) != 0 {
+                self.signaled = count;
+            }
+            self.posted = count;
+        }
+        if n == len {
+            if let Some(s) = seq {
+                self.last_seq = s;
+            }
+        }
+    }
+
+    /// WR `count` completed (successfully or flushed): every WR up to it is
+    /// retired. Counts not outstanding (stale or foreign) change nothing.
+    fn complete(&mut self, count: u64) {
+        if count > self.completed && count <= self.posted {
+            self.completed = count;
+            self.done_seq = self.seq_at[(count % self.depth) as usize];
+        }
+    }
+}
+
 /// An RC queue pair to one peer on one lane, with its send accounting.
 struct Qp {
     raw: NonNull<ibv_qp>,
@@ -415,12 +558,7 @@ struct Qp {
     dev: usize,
     /// Our initial send PSN (the peer's receive PSN).
     psn: u32,
-    /// WRs ever posted; WRs known complete; count at the last signalled WR.
-    posted: u64,
-    completed: u64,
-    signaled: u64,
-    /// Send queue depth actually granted.
-    depth: u64,
+    ledger: Ledger,
     /// The last flag written (remote address, word), for a tail flush.
     last_flag: Option<(u64, u64)>,
     /// A completion on this QP failed: it is in the error state.
@@ -459,7 +597,12 @@ struct Device {
 }
 
 impl Device {
-    fn open(list: &DeviceList, sel: &LaneDevice, region: &Region, cq_depth: u32) -> Result<Self> {
+    fn open(
+        list: &DeviceList,
+        sel: &LaneDevice,
+        region: &Arc<Region>,
+        cq_depth: u32,
+    ) -> Result<Self> {
         let ctx = list.open(&sel.name)?;
         let port = query_port(&ctx, sel.port)?;
         if port.state != ibv_port_state::IBV_PORT_ACTIVE {
@@ -570,8 +713,7 @@ fn create_qp(dev: &Device, peer: usize, lane: usize, dev_index: usize) -> Result
     init.sq_sig_all = 0;
     init.cap = ibv_qp_cap {
         max_send_wr: SQ_DEPTH,
-        // RDMA WRITE consumes no receive WR; one keeps every provider happy.
-        max_recv_wr: 1,
+        max_recv_wr: RQ_DEPTH,
         max_send_sge: 1,
         max_recv_sge: 1,
         max_inline_data: INLINE_BYTES,
@@ -596,10 +738,7 @@ fn create_qp(dev: &Device, peer: usize, lane: usize, dev_index: usize) -> Result
         lane,
         dev: dev_index,
         psn: rand::random::<u32>() & 0x00ff_ffff,
-        posted: 0,
-        completed: 0,
-        signaled: 0,
-        depth: u64::from(init.cap.max_send_wr.min(SQ_DEPTH)),
+        ledger: Ledger::new(u64::from(init.cap.max_send_wr.min(SQ_DEPTH))),
         last_flag: None,
         broken: false,
         last_progress: Instant::now(),
@@ -919,6 +1058,10 @@ pub(crate) struct VerbsFabric {
     /// Last seq posted.
     last_seq: u64,
     last_post: Instant,
+    /// Signal the last WR of every call on every QP, so that
+    /// [`Fabric::completed_through`] follows each call (copy-engine staging
+    /// waits for it); otherwise one WR in [`SIGNAL_EVERY`].
+    signal_each_call: bool,
     /// Some QP has WRs posted after its last signalled one.
     tail: bool,
     /// The first failed completion; later calls return it again.
@@ -938,7 +1081,7 @@ struct Local {
     qp_index: Vec<usize>,
 }
 
-fn open_local(layout: &Layout, region: &Region, lanes: &[LaneDevice]) -> Result<Local> {
+fn open_local(layout: &Layout, region: &Arc<Region>, lanes: &[LaneDevice]) -> Result<Local> {
     if lanes.len() != LANES {
         return Err(Error::Topology(format!(
             "selection has {} lanes, the Verbs fabric needs {LANES}",
@@ -959,11 +1102,13 @@ fn open_local(layout: &Layout, region: &Region, lanes: &[LaneDevice]) -> Result<
         };
     }
     let qps_per_dev = |i: usize| (world - 1) * lane_dev.iter().filter(|&&d| d == i).count();
-    // Signalled WRs outstanding per QP: one per SIGNAL_EVERY, the one that
-    // fills the queue, and a tail flush.
-    let per_qp = (u64::from(SQ_DEPTH) / SIGNAL_EVERY + 2) as usize;
-    let needed =
-        names.len() * region.len() + (world - 1) * LANES * (SQ_DEPTH as usize) * 256 + (1 << 20);
+    // Pinned by the provider besides the region: send queues (a WQE with
+    // inline data takes up to 256 bytes) and CQs (up to 128 bytes a CQE).
+    let cqes: usize = (0..names.len()).map(|i| cq_depth(qps_per_dev(i))).sum();
+    let needed = names.len() * region.len()
+        + (world - 1) * LANES * (SQ_DEPTH as usize) * 256
+        + cqes * 128
+        + (1 << 20);
     topology::check_memlock(needed)?;
 
     let list = DeviceList::get()?;
@@ -973,8 +1118,16 @@ fn open_local(layout: &Layout, region: &Region, lanes: &[LaneDevice]) -> Result<
             .iter()
             .find(|d| d.name == *name)
             .expect("name from lanes");
-        let cq_depth = (qps_per_dev(i) * per_qp).max(16) as u32;
-        devices.push(Device::open(&list, sel, region, cq_depth)?);
+        let depth = u32::try_from(cq_depth(qps_per_dev(i))).map_err(|_| {
+            verbs_err(
+                "ibv_create_cq",
+                name,
+                None,
+                None,
+                format!("{} QPs need too many CQ entries", qps_per_dev(i)),
+            )
+        })?;
+        devices.push(Device::open(&list, sel, region, depth)?);
     }
     drop(list);
 
@@ -1004,7 +1157,7 @@ pub(crate) fn connect(
     boot: &Bootstrap,
     cfg: &Config,
     layout: &Layout,
-    region: &Region,
+    region: &Arc<Region>,
     local_rank: topology::LocalRank,
 ) -> Result<VerbsFabric> {
     let world = layout.world();
@@ -1109,6 +1262,7 @@ pub(crate) fn connect(
         path_mtu,
         last_seq: 0,
         last_post: Instant::now(),
+        signal_each_call: cfg.staging == Staging::CopyEngine,
         tail: false,
         failed: None,
         polls: 0,
@@ -1159,12 +1313,13 @@ impl VerbsFabric {
                     remote: flag_remote,
                     rkey: rr.rkey,
                 };
+                let each = self.signal_each_call;
                 if part.is_empty() {
                     self.reserve(i, 1)?;
-                    self.post_chain(i, &[flag_wr], false)?;
+                    self.post_chain(i, &[flag_wr], each, Some(seq))?;
                 } else {
                     self.reserve(i, 2)?;
-                    self.post_chain(i, &[data, flag_wr], false)?;
+                    self.post_chain(i, &[data, flag_wr], each, Some(seq))?;
                 }
                 self.qps[i].last_flag = Some((flag_remote, flag));
             }
@@ -1191,7 +1346,7 @@ impl VerbsFabric {
 
     /// Room for `n` more WRs on QP `i`, polling (bounded) while it is full.
     fn reserve(&mut self, i: usize, n: u64) -> Result<()> {
-        if self.qps[i].posted + n - self.qps[i].completed <= self.qps[i].depth {
+        if self.qps[i].ledger.has_room(n) {
             return Ok(());
         }
         let start = Instant::now();
@@ -1199,7 +1354,7 @@ impl VerbsFabric {
         loop {
             self.progress()?;
             let qp = &self.qps[i];
-            if qp.posted + n - qp.completed <= qp.depth {
+            if qp.ledger.has_room(n) {
                 return Ok(());
             }
             if start.elapsed() > self.timeout {
@@ -1211,8 +1366,8 @@ impl VerbsFabric {
                         self.device_name(qp),
                         qp.peer,
                         qp.lane,
-                        qp.posted - qp.completed,
-                        qp.depth
+                        qp.ledger.outstanding(),
+                        qp.ledger.depth
                     ),
                 });
             }
@@ -1221,25 +1376,33 @@ impl VerbsFabric {
     }
 
     /// Posts `writes` as one chain on QP `i` (room must be reserved).
-    /// `force_signal` signals the last WR whatever the count.
-    fn post_chain(&mut self, i: usize, writes: &[Write], force_signal: bool) -> Result<()> {
-        const MAX: usize = 4;
-        debug_assert!(!writes.is_empty() && writes.len() <= MAX);
+    /// `signal_last` signals the last WR whatever the count; the chain's
+    /// last WR completes call `seq` on this QP (None: a chain that completes
+    /// no new call, see [`Ledger::commit`]).
+    fn post_chain(
+        &mut self,
+        i: usize,
+        writes: &[Write],
+        signal_last: bool,
+        seq: Option<u64>,
+    ) -> Result<()> {
+        debug_assert!(!writes.is_empty() && writes.len() <= MAX_CHAIN);
         // SAFETY: ibv_sge and ibv_send_wr are plain old data.
-        let mut sges: [ibv_sge; MAX] = unsafe { std::mem::zeroed() };
+        let mut sges: [ibv_sge; MAX_CHAIN] = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
-        let mut wrs: [ibv_send_wr; MAX] = unsafe { std::mem::zeroed() };
+        let mut wrs: [ibv_send_wr; MAX_CHAIN] = unsafe { std::mem::zeroed() };
         let qp = &mut self.qps[i];
-        if qp.completed == qp.posted {
+        if qp.ledger.outstanding() == 0 {
             // The stall clock starts when the QP stops being idle.
             qp.last_progress = Instant::now();
         }
-        let n = writes.len();
-        for (k, w) in writes.iter().enumerate() {
-            let count = qp.posted + k as u64 + 1;
-            let signal = count - qp.signaled >= SIGNAL_EVERY
-                || count - qp.completed >= qp.depth
-                || (force_signal && k + 1 == n);
+        let n = writes.len().min(MAX_CHAIN);
+        if n == 0 {
+            return Ok(());
+        }
+        let plan = qp.ledger.plan(n, signal_last);
+        for (k, w) in writes.iter().take(n).enumerate() {
+            let count = qp.ledger.posted + k as u64 + 1;
             sges[k] = ibv_sge {
                 addr: w.local,
                 length: w.len,
@@ -1254,9 +1417,8 @@ impl VerbsFabric {
             if w.lkey.is_none() {
                 flags |= ibv_send_flags::IBV_SEND_INLINE.0;
             }
-            if signal {
+            if plan & (1 << k) != 0 {
                 flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-                qp.signaled = count;
             }
             wr.send_flags = flags;
             wr.wr.rdma = rdma_t {
@@ -1275,146 +1437,36 @@ impl VerbsFabric {
         // point into our registered region.
         let rc = unsafe { ibv_post_send(qp.raw.as_ptr(), wrs.as_mut_ptr(), &mut bad) };
         if rc != 0 {
-            // The provider refused the chain (e.g. the QP is in error): later
-            // posts must not use this QP, the poison goes through another.
-            self.qps[i].broken = true;
-            let qp = &self.qps[i];
+            // The WRs before `bad` were posted (they will complete, or be
+            // flushed, and must be counted); the provider refused the rest
+            // (e.g. the QP is in error): later posts must not use this QP,
+            // the poison goes through another.
+            let accepted = wrs[..n]
+                .iter()
+                .position(|w| std::ptr::eq(w, bad))
+                .unwrap_or(0);
+            qp.ledger.commit(accepted, n, plan, seq);
+            qp.broken = true;
             let (peer, lane) = (qp.peer, qp.lane);
             return Err(verbs_err(
                 "ibv_post_send",
                 &self.devices[qp.dev].ctx.name,
                 Some(peer),
                 Some(lane),
-                errno_text(rc),
+                format!("{} (WR {accepted} of a chain of {n})", errno_text(rc)),
             ));
         }
-        qp.posted += n as u64;
-        if qp.signaled != qp.posted {
+        qp.ledger.commit(n, n, plan, seq);
+        if qp.ledger.signaled != qp.ledger.posted {
             self.tail = true;
         }
         Ok(())
     }
 
-    /// Writes poisoned flags for `seq` and `seq + 1` into every peer this
-    /// rank can still reach, so that peers waiting on it fail at once.
-    fn poison(&mut self, seq: u64) {
-        let world = self.layout.world();
-        let me = self.layout.rank();
-        for step in 1..world {
-            let q = (me + step) % world;
-            // Any healthy QP to q can write every flag of ours there: its
-            // device's rkey covers the whole region.
-            let Some(lane) = (0..LANES).find(|&l| !self.qps[self.qp_index[q * LANES + l]].broken)
-            else {
-                continue;
-            };
-            let i = self.qp_index[q * LANES + lane];
-            let rr = self.remote[q * LANES + lane];
-            let words: Vec<(u64, u64)> = [seq, seq + 1]
-                .iter()
-                .flat_map(|&s| {
-                    let p = (s & 1) as usize;
-                    let word = flag_word(s, crate::abi::ARX_DTYPE_INVALID, POISON_COUNT);
-                    (0..LANES).map(move |l| (p, l, word)).collect::<Vec<_>>()
-                })
-                .map(|(p, l, word)| (rr.addr + self.layout.flag_offset(p, me, l) as u64, word))
-                .collect();
-            let qp = &self.qps[i];
-            if qp.posted + words.len() as u64 - qp.completed > qp.depth {
-                continue;
-            }
-            let writes: Vec<Write> = words
-                .iter()
-                .map(|(remote, word)| Write {
-                    local: word as *const u64 as u64,
-                    len: 8,
-                    lkey: None,
-                    remote: *remote,
-                    rkey: rr.rkey,
-                })
-                .collect();
-            if let Err(e) = self.post_chain(i, &writes, true) {
-                log::warn!("arx verbs: could not tell peer {q} about the failure: {e}");
-            }
-        }
-    }
-
-    /// Re-writes each QP's last flag, signalled, so that an unsignalled tail
-    /// completes observably (or, with `stalled`, so that a QP whose WRs have
-    /// not completed for [`KICK_AFTER`] is kicked). Idempotent at the peer:
-    /// the same word again, ordered after the original on the same QP.
-    fn flush_tails(&mut self, stalled: bool) -> Result<()> {
-        let now = Instant::now();
-        if !stalled {
-            self.tail = false;
-        }
-        for i in 0..self.qps.len() {
-            let qp = &mut self.qps[i];
-            if qp.broken || qp.posted - qp.completed >= qp.depth {
-                continue;
-            }
-            if stalled {
-                if qp.completed == qp.posted || now - qp.last_progress < KICK_AFTER {
-                    continue;
-                }
-                log::debug!(
-                    "arx verbs: peer {} lane {}: {} WRs outstanding for {:?}; kicking",
-                    qp.peer,
-                    qp.lane,
-                    qp.posted - qp.completed,
-                    now - qp.last_progress
-                );
-                qp.last_progress = now;
-            } else if qp.signaled == qp.posted {
-                continue;
-            }
-            let qp = &self.qps[i];
-            let Some((remote, word)) = qp.last_flag else {
-                continue;
-            };
-            let rkey = self.remote[qp.peer * LANES + qp.lane].rkey;
-            self.post_chain(
-                i,
-                &[Write {
-                    local: &word as *const u64 as u64,
-                    len: 8,
-                    lkey: None,
-                    remote,
-                    rkey,
-                }],
-                true,
-            )?;
-        }
-        Ok(())
-    }
-}
-
-impl Fabric for VerbsFabric {
-    fn name(&self) -> &'static str {
-        "verbs"
-    }
-
-    fn post(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
-        self.post_all(seq, bytes, flag)
-            .map_err(|e| self.fail(e, seq))
-    }
-
-    fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
-        let i = *self
-            .qp_index
-            .get(peer * LANES + lane)
-            .ok_or_else(|| Error::InvalidArgument(format!("no QP to peer {peer} lane {lane}")))?;
-        let qp = &self.qps[i];
-        to_err(qp, &self.devices[qp.dev])
-    }
-
-    fn progress(&mut self) -> Result<()> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
+    /// Polls every CQ dry and retires the completed WRs in their QPs'
+    /// ledgers, failed and flushed ones included (each is then no longer
+    /// outstanding). Returns the first failed completion.
+    fn reap(&mut self) -> Result<()> {
         // SAFETY: ibv_wc is plain old data.
         let mut wcs: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
         let mut first_err: Option<Error> = None;
@@ -1446,40 +1498,167 @@ impl Fabric for VerbsFabric {
                     let Some(qp) = self.qps.get_mut(i) else {
                         continue;
                     };
+                    // Counts below 2^48 per QP: the low bits are the count.
+                    qp.ledger.complete(wc.wr_id & WR_COUNT_MASK);
                     if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
-                        // Counts below 2^48 per QP: the low bits are the count.
-                        qp.completed = qp.completed.max(wc.wr_id & WR_COUNT_MASK);
                         qp.last_progress = *now_cached.get_or_insert_with(Instant::now);
                         continue;
                     }
                     qp.broken = true;
+                    if first_err.is_some() {
+                        continue;
+                    }
                     // SAFETY: ibv_wc_status_str returns a static string.
                     let status = unsafe { CStr::from_ptr(ibv_wc_status_str(wc.status)) }
                         .to_string_lossy()
                         .into_owned();
                     let (peer, lane, dev) = (qp.peer, qp.lane, qp.dev);
-                    first_err.get_or_insert_with(|| {
-                        verbs_err(
-                            "completion",
-                            &self.devices[dev].ctx.name,
-                            Some(peer),
-                            Some(lane),
-                            format!(
-                                "{status} (status {}, vendor error {:#x}, WR {} of this QP); \
-                                 is peer {peer} alive and its link up?",
-                                wc.status,
-                                wc.vendor_err,
-                                wc.wr_id & WR_COUNT_MASK
-                            ),
-                        )
-                    });
+                    first_err = Some(verbs_err(
+                        "completion",
+                        &self.devices[dev].ctx.name,
+                        Some(peer),
+                        Some(lane),
+                        format!(
+                            "{status} (status {}, vendor error {:#x}, WR {} of this QP); \
+                             is peer {peer} alive and its link up?",
+                            wc.status,
+                            wc.vendor_err,
+                            wc.wr_id & WR_COUNT_MASK
+                        ),
+                    ));
                 }
                 if (n as usize) < POLL_BATCH {
                     break;
                 }
             }
         }
-        if let Some(e) = first_err {
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Writes poisoned flags for `seq` and `seq + 1` into every peer this
+    /// rank can still reach, so that peers waiting on it fail at once.
+    fn poison(&mut self, seq: u64) {
+        let world = self.layout.world();
+        let me = self.layout.rank();
+        for step in 1..world {
+            let q = (me + step) % world;
+            // Any healthy QP to q can write every flag of ours there: its
+            // device's rkey covers the whole region.
+            let Some(lane) = (0..LANES).find(|&l| !self.qps[self.qp_index[q * LANES + l]].broken)
+            else {
+                continue;
+            };
+            let i = self.qp_index[q * LANES + lane];
+            let rr = self.remote[q * LANES + lane];
+            let words: Vec<(u64, u64)> = [seq, seq + 1]
+                .iter()
+                .flat_map(|&s| {
+                    let p = (s & 1) as usize;
+                    let word = flag_word(s, crate::abi::ARX_DTYPE_INVALID, POISON_COUNT);
+                    (0..LANES).map(move |l| (p, l, word)).collect::<Vec<_>>()
+                })
+                .map(|(p, l, word)| (rr.addr + self.layout.flag_offset(p, me, l) as u64, word))
+                .collect();
+            if !self.qps[i].ledger.has_room(words.len() as u64) {
+                continue;
+            }
+            let writes: Vec<Write> = words
+                .iter()
+                .map(|(remote, word)| Write {
+                    local: word as *const u64 as u64,
+                    len: 8,
+                    lkey: None,
+                    remote: *remote,
+                    rkey: rr.rkey,
+                })
+                .collect();
+            if let Err(e) = self.post_chain(i, &writes, true, None) {
+                log::warn!("arx verbs: could not tell peer {q} about the failure: {e}");
+            }
+        }
+    }
+
+    /// Re-writes each QP's last flag, signalled, so that an unsignalled tail
+    /// completes observably (or, with `stalled`, so that a QP whose WRs have
+    /// not completed for [`KICK_AFTER`] is kicked). Idempotent at the peer:
+    /// the same word again, ordered after the original on the same QP.
+    fn flush_tails(&mut self, stalled: bool) -> Result<()> {
+        let now = Instant::now();
+        if !stalled {
+            self.tail = false;
+        }
+        for i in 0..self.qps.len() {
+            let qp = &mut self.qps[i];
+            if qp.broken || !qp.ledger.has_room(1) {
+                continue;
+            }
+            if stalled {
+                if qp.ledger.outstanding() == 0 || now - qp.last_progress < KICK_AFTER {
+                    continue;
+                }
+                log::debug!(
+                    "arx verbs: peer {} lane {}: {} WRs outstanding for {:?}; kicking",
+                    qp.peer,
+                    qp.lane,
+                    qp.ledger.outstanding(),
+                    now - qp.last_progress
+                );
+                qp.last_progress = now;
+            } else if qp.ledger.signaled == qp.ledger.posted {
+                continue;
+            }
+            let qp = &self.qps[i];
+            let Some((remote, word)) = qp.last_flag else {
+                continue;
+            };
+            let rkey = self.remote[qp.peer * LANES + qp.lane].rkey;
+            self.post_chain(
+                i,
+                &[Write {
+                    local: &word as *const u64 as u64,
+                    len: 8,
+                    lkey: None,
+                    remote,
+                    rkey,
+                }],
+                true,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Fabric for VerbsFabric {
+    fn name(&self) -> &'static str {
+        "verbs"
+    }
+
+    fn post(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        self.post_all(seq, bytes, flag)
+            .map_err(|e| self.fail(e, seq))
+    }
+
+    fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
+        let i = *self
+            .qp_index
+            .get(peer * LANES + lane)
+            .ok_or_else(|| Error::InvalidArgument(format!("no QP to peer {peer} lane {lane}")))?;
+        let qp = &self.qps[i];
+        to_err(qp, &self.devices[qp.dev])
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        // Reap even after a failure: flushed WRs must be counted so that
+        // `quiescent` can tell the proxy that nothing is outstanding.
+        let reaped = self.reap();
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if let Err(e) = reaped {
             let seq = self.last_seq;
             return Err(self.fail(e, seq));
         }
@@ -1503,7 +1682,17 @@ impl Fabric for VerbsFabric {
     }
 
     fn quiescent(&self) -> bool {
-        self.qps.iter().all(|q| q.completed == q.posted)
+        self.qps.iter().all(|q| q.ledger.outstanding() == 0)
+    }
+
+    fn completed_through(&self, _posted: u64) -> u64 {
+        // Every call goes to every QP, so a call is complete once every QP
+        // has completed it.
+        self.qps
+            .iter()
+            .map(|q| q.ledger.done_seq)
+            .min()
+            .unwrap_or(self.last_seq)
     }
 
     fn describe(&self) -> String {
@@ -1522,9 +1711,14 @@ impl Fabric for VerbsFabric {
             })
             .collect();
         format!(
-            "{}; {} RC QPs, send queue {SQ_DEPTH}, signal every {SIGNAL_EVERY}",
+            "{}; {} RC QPs, send queue {SQ_DEPTH}, signal every {SIGNAL_EVERY}{}",
             lanes.join("; "),
-            self.qps.len()
+            self.qps.len(),
+            if self.signal_each_call {
+                " and each call's last"
+            } else {
+                ""
+            }
         )
     }
 }
@@ -1532,6 +1726,7 @@ impl Fabric for VerbsFabric {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
 
     fn endpoint(world: usize, rank: usize) -> Endpoint {
         Endpoint {
@@ -1605,6 +1800,212 @@ mod tests {
         e.len = 4096;
         rejects(&e.encode(), 2, "region");
         rejects(&endpoint(3, 1).encode(), 2, "expected rank 2");
+    }
+
+    /// A model of one QP on an RC provider: WRs complete in order; a
+    /// completion is reported for a signalled WR, or for every WR once the
+    /// QP is in error (flush).
+    struct Model {
+        ledger: Ledger,
+        /// (count, call it belongs to or None, signalled) of every WR posted.
+        wrs: Vec<(u64, Option<u64>, bool)>,
+        /// WRs the "NIC" has executed.
+        executed: usize,
+        /// The last call whose every WR the NIC has executed.
+        truly_done: u64,
+    }
+
+    impl Model {
+        fn new(depth: u64) -> Self {
+            Model {
+                ledger: Ledger::new(depth),
+                wrs: Vec::new(),
+                executed: 0,
+                truly_done: 0,
+            }
+        }
+
+        /// Posts call `seq` (`len` WRs) or, with `seq` None, an extra
+        /// chain; false when the queue has no room.
+        fn post(&mut self, len: usize, signal_last: bool, seq: Option<u64>) -> bool {
+            if !self.ledger.has_room(len as u64) {
+                return false;
+            }
+            let plan = self.ledger.plan(len, signal_last);
+            for k in 0..len {
+                let count = self.ledger.posted + k as u64 + 1;
+                let call = if k + 1 == len { seq } else { None };
+                self.wrs.push((count, call, plan & (1 << k) != 0));
+            }
+            self.ledger.commit(len, len, plan, seq);
+            true
+        }
+
+        /// The NIC executes `n` more WRs; their completions are reaped.
+        fn run(&mut self, n: usize, flushed: bool) {
+            let end = self.executed.saturating_add(n).min(self.wrs.len());
+            for &(count, call, signalled) in &self.wrs[self.executed..end] {
+                // Calls are posted in order, each ending with its WR.
+                if let Some(c) = call {
+                    self.truly_done = c;
+                }
+                if signalled || flushed {
+                    self.ledger.complete(count);
+                }
+            }
+            self.executed = end;
+        }
+    }
+
+    #[test]
+    fn per_call_signalling_completes_every_call_without_a_flush() {
+        let mut m = Model::new(u64::from(SQ_DEPTH));
+        for seq in 1..=1000u64 {
+            // Calls alternate between data + flag and a flag alone.
+            let len = if seq % 3 == 0 { 1 } else { 2 };
+            assert!(m.post(len, true, Some(seq)));
+            m.run(len, false);
+            assert_eq!(m.ledger.done_seq, seq, "call {seq}");
+            assert_eq!(m.ledger.outstanding(), 0);
+        }
+    }
+
+    #[test]
+    fn done_seq_never_runs_ahead_of_the_nic() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0xa5c3);
+        for signal_last in [false, true] {
+            let mut m = Model::new(u64::from(SQ_DEPTH));
+            let mut seq = 0;
+            for _ in 0..20_000 {
+                match rng.gen_range(0..10) {
+                    0..=4 => {
+                        let len = rng.gen_range(1..=2);
+                        if m.post(len, signal_last, Some(seq + 1)) {
+                            seq += 1;
+                        }
+                    }
+                    // A re-written flag (tail flush, kick).
+                    5 => {
+                        m.post(1, true, None);
+                    }
+                    _ => m.run(rng.gen_range(0..4), false),
+                }
+                assert!(m.ledger.done_seq <= m.truly_done);
+                assert!(m.ledger.outstanding() <= m.ledger.depth);
+                if signal_last && m.executed == m.wrs.len() {
+                    assert_eq!(m.ledger.done_seq, seq);
+                }
+            }
+            // An idle QP whose tail was flushed has completed everything.
+            m.run(usize::MAX, false);
+            m.post(1, true, None);
+            m.run(1, false);
+            assert_eq!(m.ledger.done_seq, seq);
+            assert_eq!(m.ledger.outstanding(), 0);
+        }
+    }
+
+    #[test]
+    fn signal_every_16_and_when_filling_the_queue() {
+        let mut m = Model::new(u64::from(SQ_DEPTH));
+        for seq in 1..=8 {
+            m.post(2, false, Some(seq));
+        }
+        let signalled: Vec<u64> = m.wrs.iter().filter(|w| w.2).map(|w| w.0).collect();
+        assert_eq!(signalled, [16]);
+        // Nothing completes: the WR that fills the queue is signalled.
+        let mut m = Model::new(8);
+        for seq in 1..=4 {
+            assert!(m.post(2, false, Some(seq)));
+        }
+        assert!(!m.post(1, false, Some(5)));
+        assert!(m.wrs.last().unwrap().2, "the WR filling the queue");
+        m.run(8, false);
+        assert_eq!((m.ledger.outstanding(), m.ledger.done_seq), (0, 4));
+    }
+
+    #[test]
+    fn a_flushed_queue_has_nothing_outstanding() {
+        let mut m = Model::new(u64::from(SQ_DEPTH));
+        let mut seq = 0;
+        while m.post(2, false, Some(seq + 1)) {
+            seq += 1;
+        }
+        m.run(5, false);
+        assert!(m.ledger.outstanding() > 0);
+        // The QP goes to error: every WR left completes (flushed).
+        m.run(usize::MAX, true);
+        assert_eq!(m.ledger.outstanding(), 0);
+        assert_eq!(m.ledger.done_seq, seq);
+        // A stale or foreign count changes nothing.
+        m.ledger.complete(3);
+        m.ledger.complete(u64::MAX);
+        assert_eq!(
+            (m.ledger.completed, m.ledger.done_seq),
+            (m.ledger.posted, seq)
+        );
+    }
+
+    #[test]
+    fn a_partly_posted_chain_counts_what_was_posted() {
+        let mut l = Ledger::new(16);
+        let plan = l.plan(2, true);
+        l.commit(2, 2, plan, Some(1));
+        let plan = l.plan(2, true);
+        // The provider took the data WR of call 2 but not its flag.
+        l.commit(1, 2, plan, Some(2));
+        assert_eq!((l.posted, l.last_seq), (3, 1));
+        l.complete(3);
+        assert_eq!((l.outstanding(), l.done_seq), (0, 1));
+    }
+
+    /// Every WR the ledger lets a QP have outstanding gets a completion
+    /// when the QP fails (flush): a CQ shared by `qps` QPs must hold them
+    /// all, whatever the mix of calls, re-written flags and poisoned flags.
+    #[test]
+    fn cq_holds_every_wr_that_a_failure_can_flush() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0x0cc0);
+        // QPs sharing one CQ: a peer per lane, or both lanes on one device,
+        // from 2 ranks to the largest world.
+        let max_qps = 2 * (crate::abi::ARX_MAX_WORLD as usize - 1);
+        for qps in [1, 2, 3, 4, 7, 14, 15, 30, 62, max_qps] {
+            let mut worst = 0u64;
+            for signal_last in [false, true] {
+                let mut models: Vec<Model> =
+                    (0..qps).map(|_| Model::new(u64::from(SQ_DEPTH))).collect();
+                let mut seq = 0;
+                // Post calls until some QP is full, as the proxy does (a
+                // call goes to every QP), with a few re-written flags.
+                loop {
+                    seq += 1;
+                    let len = rng.gen_range(1..=2);
+                    if !models.iter().all(|m| m.ledger.has_room(len as u64)) {
+                        break;
+                    }
+                    for m in &mut models {
+                        assert!(m.post(len, signal_last, Some(seq)));
+                        if rng.gen_range(0..20) == 0 {
+                            m.post(1, true, None);
+                        }
+                    }
+                }
+                // Then a failure: poisoned flags where room is left, and
+                // every QP fills up to its limit.
+                for m in &mut models {
+                    m.post(MAX_CHAIN, true, None);
+                    while m.post(1, true, None) {}
+                }
+                let flushed: u64 = models.iter().map(|m| m.ledger.outstanding()).sum();
+                worst = worst.max(flushed);
+                assert!(
+                    flushed + (qps as u64) * u64::from(RQ_DEPTH) <= cq_depth(qps) as u64,
+                    "{qps} QPs: {flushed} completions, CQ of {}",
+                    cq_depth(qps)
+                );
+            }
+            // The bound is reached: nothing smaller would do.
+            assert_eq!(worst, qps as u64 * u64::from(SQ_DEPTH));
+        }
     }
 
     #[test]
