@@ -14,7 +14,8 @@
  *
  * Protocol for call seq (1, 2, ...), parity p = seq & 1:
  *   1. the device side copies its partial into send[p], makes it visible
- *      system-wide, writes ctrl.meta[p] then ctrl.seq = seq (release);
+ *      system-wide, writes ctrl.meta[p] and ctrl.bytes[p], then
+ *      ctrl.seq = seq (release);
  *   2. the proxy posts, for every seq in order, to every peer q (r+1, r+2, ...)
  *      and each lane l: the lane's half of send[p] into q's recv[p][r], then the
  *      flag word into q's flags[p][r][l] on the same ordered channel;
@@ -36,7 +37,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 2u
+#define ARX_ABI_VERSION 3u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -98,7 +99,10 @@ typedef struct arx_ctrl {
      * of that seq and every earlier one may be overwritten); release-stored
      * by the proxy. The GPU side's copy-engine staging waits on it. */
     uint64_t sent;
-    uint64_t reserved[22];
+    /* Bytes of the partial of the seq of parity p (written with meta[p],
+     * before seq): what the proxy sends, so it never derives a size. */
+    uint64_t bytes[2];
+    uint64_t reserved[20];
 } arx_ctrl_t;
 
 /* Offsets of the region's sections, as computed by src/layout.rs. */

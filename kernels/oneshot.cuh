@@ -106,6 +106,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
                      * at system scope before its block counted them, and the
                      * acq_rel chain orders those before this release. */
                     st_relaxed_sys_u64(&ctrl->meta[par], flag);
+                    st_relaxed_sys_u64(&ctrl->bytes[par], (u64)count * sizeof(S));
                     st_release_sys_u64(&ctrl->seq, seq);
                 }
             }

@@ -49,21 +49,63 @@ impl Dtype {
     }
 }
 
-/// Describes a call's (dtype code, count) pair for messages.
 /// Element count of the "invalid" flag words a rank writes to its peers when
 /// its fabric failed (see `fabric::verbs`), so that they fail at once.
 pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_COUNT_MASK as usize;
 
-pub(crate) fn describe_call(code: u32, count: usize) -> String {
-    match Dtype::from_code(code) {
-        Some(d) => format!("{count} x {}", d.name()),
-        None if code == abi::ARX_DTYPE_INVALID && count == POISON_COUNT => {
-            "nothing: its fabric failed (see that rank's error)".to_string()
+/// What a rank announced for a call in its flag word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CallKind {
+    /// An all-reduce of this element type.
+    Reduce(Dtype),
+    /// A call the rank refused (too long, bad arguments): see that rank's
+    /// own error.
+    Refused,
+    /// Nothing: the rank's fabric failed (poisoned flags).
+    FabricFailed,
+    /// A dtype code this version does not know.
+    Unknown(u32),
+}
+
+/// A call as a rank announced it: kind and element count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallDesc {
+    /// What was called.
+    pub kind: CallKind,
+    /// Elements (as announced; for a refused call, what was asked for).
+    pub count: usize,
+}
+
+impl CallDesc {
+    /// From a flag word's (dtype code, count) pair.
+    pub(crate) fn new(code: u32, count: usize) -> Self {
+        let kind = match Dtype::from_code(code) {
+            Some(d) => CallKind::Reduce(d),
+            None if code == abi::ARX_DTYPE_INVALID && count == POISON_COUNT => {
+                CallKind::FabricFailed
+            }
+            None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
+            None => CallKind::Unknown(code),
+        };
+        CallDesc { kind, count }
+    }
+}
+
+impl std::fmt::Display for CallDesc {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.count;
+        match self.kind {
+            CallKind::Reduce(d) => write!(f, "{n} x {}", d.name()),
+            CallKind::FabricFailed => {
+                write!(f, "nothing: its fabric failed (see that rank's error)")
+            }
+            CallKind::Refused => write!(
+                f,
+                "a call it refused ({n} elements: too long or bad arguments; see that rank's error)"
+            ),
+            CallKind::Unknown(c) => write!(f, "{n} elements of unknown dtype {c}"),
         }
-        None if code == abi::ARX_DTYPE_INVALID => {
-            format!("a call it refused ({count} elements: too long or bad arguments; see that rank's error)")
-        }
-        None => format!("{count} elements of unknown dtype {code}"),
     }
 }
 

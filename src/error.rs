@@ -50,12 +50,12 @@ pub enum Error {
         seq: u64,
         /// This rank.
         rank: usize,
-        /// This rank's count and dtype.
-        ours: String,
+        /// This rank's call.
+        ours: crate::dtype::CallDesc,
         /// The peer.
         peer: usize,
-        /// The peer's count and dtype.
-        theirs: String,
+        /// The peer's call.
+        theirs: crate::dtype::CallDesc,
     },
 
     /// A bounded wait ran out.

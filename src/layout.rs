@@ -124,6 +124,19 @@ impl Layout {
         self.raw.flags_off as usize
     }
 
+    /// The peers in the order this rank visits them: `rank+1, rank+2, …`
+    /// (mod world). Sending in this staggered order keeps every receiver
+    /// from getting all senders at once (incast); waiting in it spreads the
+    /// polling the same way.
+    pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.world() - 1).map(|k| self.peer(k))
+    }
+
+    /// The `k`-th peer (from 0) in [`Layout::peers`] order.
+    pub fn peer(&self, k: usize) -> usize {
+        (self.rank() + 1 + k) % self.world()
+    }
+
     /// The bytes of a `bytes`-long partial that travel on `lane`: the first
     /// half (rounded up to 16 bytes) on lane 0, the rest on lane 1. A lane
     /// may carry nothing for tiny partials; its flag is sent all the same.
@@ -154,6 +167,38 @@ pub fn flag_call(flag: u64) -> (u32, usize) {
         ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
         (flag & u64::from(abi::ARX_FLAG_COUNT_MASK)) as usize,
     )
+}
+
+/// "peer q lane l: arrived|missing (last call s of this parity, n x dtype)"
+/// for every peer (in [`Layout::peers`] order) and lane of call `seq`: what
+/// a timeout or the watchdog reports.
+pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
+    let p = (seq & 1) as usize;
+    let mut out = Vec::new();
+    for q in layout.peers() {
+        for lane in 0..LANES {
+            let f = region
+                .u64_at(layout.flag_offset(p, q, lane))
+                .load(Ordering::Acquire);
+            let (d, n) = flag_call(f);
+            let state = if flag_seq(f) == seq as u32 {
+                "arrived"
+            } else {
+                "missing"
+            };
+            let last = if f == 0 {
+                "nothing received on this parity yet".to_string()
+            } else {
+                format!(
+                    "last call {} of this parity, {}",
+                    flag_seq(f),
+                    crate::dtype::CallDesc::new(d, n)
+                )
+            };
+            out.push(format!("peer {q} lane {lane}: {state} ({last})"));
+        }
+    }
+    out.join("; ")
 }
 
 /// Who releases a region's memory.
@@ -388,8 +433,21 @@ impl Ctrl<'_> {
     pub fn timeout_ns(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(timeout_ns))
     }
+    pub fn bytes(&self, parity: usize) -> &AtomicU64 {
+        self.0.u64_at(ctrl_off!(bytes) + 8 * parity)
+    }
     pub fn sent(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(sent))
+    }
+    /// Publishes call `seq` (host device side; the kernel does the same in
+    /// `kernels/oneshot.cuh`): its flag word and byte count, then `seq` with
+    /// release, so the proxy that acquires `seq` sees both and the staged
+    /// partial.
+    pub fn publish(&self, seq: u64, flag: u64, bytes: usize) {
+        let p = (seq & 1) as usize;
+        self.meta(p).store(flag, Ordering::Relaxed);
+        self.bytes(p).store(bytes as u64, Ordering::Relaxed);
+        self.seq().store(seq, Ordering::Release);
     }
     /// True once the abort word is set.
     pub fn aborted(&self) -> bool {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
-use crate::layout::{flag_call, flag_seq, Layout, Region};
+use crate::layout::{peer_flags, Layout, Region};
 use crate::spin::Backoff;
 
 /// The fabric and how far it has posted. Whoever holds the lock posts every
@@ -32,16 +32,20 @@ struct Engine {
     sent: u64,
 }
 
-/// State shared by the proxy thread and the caller.
-pub(crate) struct Shared {
+/// State shared by the proxy thread and the device side (through [`Link`]).
+struct Shared {
     // Field order is drop order: the fabric (memory registrations, queue
     // pairs a NIC may still write through) goes before the region it
     // targets. A proxy thread left detached by `Proxy::stop` can hold the
     // last reference to this struct, so the order must hold here and not
     // only in `Arx`.
     engine: Mutex<Engine>,
-    pub region: Arc<Region>,
+    region: Arc<Region>,
+    /// Capacity of one send slot: no published size may exceed it.
+    slot_bytes: usize,
     stop: AtomicBool,
+    /// False once the proxy thread has left its loop (or unwound).
+    running: AtomicBool,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
 }
@@ -67,9 +71,25 @@ impl Shared {
             let seq = g.posted + 1;
             // meta[p] of seq stays until seq+2 is published, which cannot
             // happen before this post reached every peer.
-            let flag = ctrl.meta((seq & 1) as usize).load(Ordering::Acquire);
-            let (dtype, count) = flag_call(flag);
-            let bytes = count * crate::dtype::Dtype::from_code(dtype).map_or(0, |d| d.size());
+            let p = (seq & 1) as usize;
+            let flag = ctrl.meta(p).load(Ordering::Acquire);
+            // The device side published the byte count with the call; a
+            // count past the slot is a bug or a corrupted control block:
+            // refuse rather than read past the slot.
+            let bytes = ctrl.bytes(p).load(Ordering::Acquire);
+            let Ok(bytes) = usize::try_from(bytes) else {
+                self.record(Error::Proxy(format!(
+                    "call {seq}: published size {bytes} bytes"
+                )));
+                break;
+            };
+            if bytes > self.slot_bytes {
+                self.record(Error::Proxy(format!(
+                    "call {seq}: published size {bytes} bytes exceeds the slot of {} bytes",
+                    self.slot_bytes
+                )));
+                break;
+            }
             if let Err(e) = g.fabric.post(seq, bytes, flag) {
                 self.record(e);
                 break;
@@ -168,8 +188,10 @@ impl Proxy {
                 posted: 0,
                 sent: 0,
             }),
+            slot_bytes: layout.slot_bytes(),
             region,
             stop: AtomicBool::new(false),
+            running: AtomicBool::new(true),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
         });
@@ -178,6 +200,14 @@ impl Proxy {
         let thread = std::thread::Builder::new()
             .name(format!("arx-proxy-{}", layout.rank()))
             .spawn(move || {
+                /// Marks the thread gone however it leaves (also unwinding).
+                struct Gone<'a>(&'a AtomicBool);
+                impl Drop for Gone<'_> {
+                    fn drop(&mut self) {
+                        self.0.store(false, Ordering::Release);
+                    }
+                }
+                let _gone = Gone(&s.running);
                 if let Some(cpu) = cpu {
                     if let Err(e) = crate::topology::pin_current_thread(cpu) {
                         log::warn!("arx proxy: could not pin to CPU {cpu}: {e}");
@@ -197,14 +227,37 @@ impl Proxy {
         })
     }
 
-    /// The state shared with the thread.
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    /// The device side's handle on this proxy.
+    pub fn link(&self) -> Link {
+        Link(Arc::clone(&self.shared))
     }
+}
 
-    /// True while the thread runs.
-    pub fn alive(&self) -> bool {
-        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+/// The device side's handle on the proxy: post what was published from the
+/// calling thread, and learn the proxy's health. Nothing else of the
+/// proxy's state is reachable through it.
+#[derive(Clone)]
+pub(crate) struct Link(Arc<Shared>);
+
+impl Link {
+    /// Posts every published call not yet posted, then reaps completions
+    /// (see `Shared::pump`). `wait` false: skip if the proxy is pumping.
+    pub fn pump(&self, wait: bool) -> bool {
+        self.0.pump(wait)
+    }
+    /// The error the proxy recorded, if any.
+    pub fn error(&self) -> Option<Error> {
+        self.0.error()
+    }
+    /// Ok while the proxy runs and has recorded no error.
+    pub fn health(&self) -> Result<()> {
+        if let Some(e) = self.0.error() {
+            return Err(e);
+        }
+        if !self.0.running.load(Ordering::Acquire) {
+            return Err(Error::Proxy("the proxy thread has exited".into()));
+        }
+        Ok(())
     }
 }
 
@@ -335,48 +388,6 @@ impl Watchdog {
     }
 }
 
-/// "peer q lane l: call s (n x dtype)" for every peer and lane of `seq`.
-pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
-    let p = (seq & 1) as usize;
-    let mut out = Vec::new();
-    for step in 1..layout.world() {
-        let q = (layout.rank() + step) % layout.world();
-        for lane in 0..2 {
-            let f = region
-                .u64_at(layout.flag_offset(p, q, lane))
-                .load(Ordering::Acquire);
-            let (d, n) = flag_call(f);
-            let state = if flag_seq(f) == seq as u32 {
-                "arrived"
-            } else {
-                "missing"
-            };
-            let last = if f == 0 {
-                "nothing received on this parity yet".to_string()
-            } else {
-                format!(
-                    "last call {} of this parity, {}",
-                    flag_seq(f),
-                    crate::dtype::describe_call(d, n)
-                )
-            };
-            out.push(format!("peer {q} lane {lane}: {state} ({last})"));
-        }
-    }
-    out.join("; ")
-}
-
-/// Checks that the proxy is healthy; the recorded error otherwise.
-pub(crate) fn check(proxy: &Proxy) -> Result<()> {
-    if let Some(e) = proxy.shared().error() {
-        return Err(e);
-    }
-    if !proxy.alive() {
-        return Err(Error::Proxy("the proxy thread has exited".into()));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -501,7 +512,7 @@ mod tests {
             assert!(Instant::now() < deadline, "the failure was never recorded");
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert!(proxy.shared().error().is_some());
+        assert!(proxy.link().error().is_some());
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(
             ctrl.sent().load(Ordering::Acquire),

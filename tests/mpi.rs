@@ -20,7 +20,7 @@
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
-use arx::{verify, Arx, DeviceKind, Element, Error, FabricKind, Staging};
+use arx::{verify, Arx, CallKind, DeviceKind, Dtype, Element, Error, FabricKind, Staging};
 use half::{bf16, f16};
 use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
@@ -483,9 +483,9 @@ fn length_mismatch(ctx: &Ctx) -> Result<(), String> {
             peer, theirs, ours, ..
         } => {
             if ctx.rank == last {
-                ours.contains("101") && theirs.contains("100")
+                ours.count == 101 && theirs.count == 100
             } else {
-                *peer == last && theirs.contains("101")
+                *peer == last && theirs.count == 101
             }
         }
         // Ranks that did not look at the odd rank's flag first may time out
@@ -512,9 +512,10 @@ fn dtype_mismatch(ctx: &Ctx) -> Result<(), String> {
     expect_err("dtype mismatch", r, |e| match e {
         Error::CallMismatch { theirs, ours, .. } => {
             if ctx.rank == 0 {
-                ours.contains("half") && theirs.contains("bfloat16")
+                ours.kind == CallKind::Reduce(Dtype::F16)
+                    && theirs.kind == CallKind::Reduce(Dtype::Bf16)
             } else {
-                theirs.contains("half")
+                theirs.kind == CallKind::Reduce(Dtype::F16)
             }
         }
         _ => false,
@@ -532,7 +533,7 @@ fn too_long(ctx: &Ctx) -> Result<(), String> {
     expect_err("too long on rank 1", r, |e| match e {
         Error::InvalidArgument(m) => ctx.rank == 1 && m.contains("exceed"),
         Error::CallMismatch { peer, theirs, .. } => {
-            ctx.rank != 1 && *peer == 1 && theirs.contains("refused")
+            ctx.rank != 1 && *peer == 1 && theirs.kind == CallKind::Refused
         }
         _ => false,
     })?;

@@ -35,10 +35,9 @@ use cudarc::driver::{result, sys, CudaContext};
 use crate::abi;
 use crate::config::Staging;
 use crate::device::order::Order;
-use crate::dtype::{describe_call, Dtype};
+use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::layout::{flag_call, Backing, Layout, Region};
-use crate::proxy::{peer_flags, Shared};
+use crate::layout::{Backing, Layout, Region};
 
 /// The kernel source and the ABI header it includes.
 const SOURCE: &str = include_str!("../../kernels/arx.cu");
@@ -372,7 +371,9 @@ impl GpuSide {
         ranks_on_node: usize,
     ) -> Result<Self> {
         let staging = cfg.staging;
-        let timeout = cfg.timeout;
+        // The one copy of the call timeout is the control block's (written
+        // at start-up); the kernel keeps it in device state for speed.
+        let timeout_ns = region.ctrl().timeout_ns().load(Ordering::Relaxed);
         ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         let can_map = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
@@ -431,7 +432,7 @@ impl GpuSide {
         let state = unsafe { result::malloc_sync(std::mem::size_of::<abi::arx_gpu_state_t>()) }
             .map_err(cuda_err("cuMemAlloc"))?;
         let init = abi::arx_gpu_state_t {
-            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+            timeout_ns,
             ..Default::default()
         };
         // SAFETY: `state` holds exactly one arx_gpu_state_t.
@@ -633,11 +634,6 @@ impl GpuSide {
         }
         Ok(out)
     }
-
-    /// The error the kernel recorded in the control block, if any.
-    pub(crate) fn kernel_error(&self, shared: &Shared) -> Option<Error> {
-        kernel_error(&self.region, &self.layout, shared)
-    }
 }
 
 /// Output of [`GpuSide::convert_check`].
@@ -698,61 +694,4 @@ impl Drop for GpuSide {
             ManuallyDrop::drop(&mut self.registration);
         }
     }
-}
-
-/// Translates what the kernel recorded in the control block into an error.
-pub(crate) fn kernel_error(region: &Region, layout: &Layout, shared: &Shared) -> Option<Error> {
-    let ctrl = region.ctrl();
-    let status = ctrl.status().load(Ordering::Acquire);
-    if status == abi::ARX_STATUS_OK {
-        return None;
-    }
-    let me = layout.rank();
-    let seq = ctrl.err_seq().load(Ordering::Relaxed);
-    let peer = ctrl.err_peer().load(Ordering::Relaxed);
-    let lane = ctrl.err_lane().load(Ordering::Relaxed);
-    let flag = ctrl.err_flag().load(Ordering::Relaxed);
-    Some(match status {
-        abi::ARX_STATUS_MISMATCH => {
-            let ours = ctrl.meta((seq & 1) as usize).load(Ordering::Relaxed);
-            let (od, on) = flag_call(ours);
-            let (td, tn) = flag_call(flag);
-            Error::CallMismatch {
-                seq,
-                rank: me,
-                ours: describe_call(od, on),
-                peer: peer as usize,
-                theirs: describe_call(td, tn),
-            }
-        }
-        abi::ARX_STATUS_ABORTED => shared.error().unwrap_or_else(|| Error::Kernel {
-            seq,
-            detail: format!("rank {me}: aborted (abort word set) while waiting for peers"),
-        }),
-        abi::ARX_STATUS_TIMEOUT => {
-            let what = if lane == u32::MAX && peer as usize == me {
-                "this rank's own proxy did not finish sending (or its staging did not finish)"
-                    .to_string()
-            } else if lane == u32::MAX {
-                "no flag was missing when the deadline passed".to_string()
-            } else {
-                format!(
-                    "peer {peer} lane {lane} had not arrived (its flag there: call {})",
-                    crate::layout::flag_seq(flag)
-                )
-            };
-            Error::Timeout {
-                during: "allreduce kernel (waiting for peers' flags)",
-                waited: std::time::Duration::from_nanos(ctrl.timeout_ns().load(Ordering::Relaxed)),
-                detail: format!(
-                    "rank {me}, call {seq}: {what}; all flags: {}",
-                    peer_flags(region, layout, seq)
-                ),
-            }
-        }
-        other => Error::Kernel {
-            seq,
-            detail: format!("rank {me}: unknown kernel status {other}"),
-        },
-    })
 }

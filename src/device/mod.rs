@@ -1,9 +1,303 @@
 //! Device sides: who writes this rank's partial, publishes the call and sums.
 //!
-//! `Host` runs the protocol on host slices with the calling thread (the
-//! embedded default, and how CI exercises the proxy and fabrics); `Gpu` runs
-//! it inside the arx CUDA kernel.
+//! [`Device`] is the one boundary between the public API and the protocol:
+//! it owns the call counter of the host side, the slot check, publishing a
+//! refused call, the sticky error and its translation ([`status`]), and it
+//! dispatches each call to a side:
+//! * `Host`: the calling thread runs the algorithm on host slices
+//!   (`algo::oneshot::host`) — the embedded default, and how CI exercises
+//!   the proxy and fabrics;
+//! * `Gpu`: the arx CUDA kernel ([`gpu`]; the algorithm is
+//!   `kernels/oneshot.cuh`).
+//!
+//! The proxy is reached only through its [`Link`] (post inline, health).
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaStream};
+
+use crate::abi;
+use crate::algo::oneshot;
+use crate::config::Config;
+use crate::dtype::{Dtype, Element};
+use crate::error::{Error, Result};
+use crate::layout::{flag_word, Layout, Region};
+use crate::proxy::Link;
 
 pub(crate) mod gpu;
-pub(crate) mod host;
 pub(crate) mod order;
+pub(crate) mod status;
+
+/// Which side runs the calls.
+pub(crate) enum Side {
+    Host,
+    Gpu(Box<gpu::GpuSide>),
+}
+
+/// One instance's device side.
+pub(crate) struct Device {
+    side: Side,
+    region: Arc<Region>,
+    layout: Layout,
+    cfg: Config,
+    link: Link,
+    /// Last call made on the host side (the GPU side keeps its counter in
+    /// device memory, where graph replays advance it).
+    seq: u64,
+    /// The first error; every later call returns it (a failed collective
+    /// leaves the ranks out of step).
+    failed: Option<Error>,
+}
+
+impl Device {
+    /// The device side over `region` (whose control block already holds
+    /// the call timeout, see `establish`).
+    pub(crate) fn new(
+        side: Side,
+        region: Arc<Region>,
+        layout: Layout,
+        cfg: Config,
+        link: Link,
+    ) -> Self {
+        Device {
+            side,
+            region,
+            layout,
+            cfg,
+            link,
+            seq: 0,
+            failed: None,
+        }
+    }
+
+    /// "host", or the GPU side's description.
+    pub(crate) fn describe(&self) -> String {
+        match &self.side {
+            Side::Host => "host".into(),
+            Side::Gpu(g) => g.describe(),
+        }
+    }
+
+    /// "host" or "gpu".
+    pub(crate) fn kind(&self) -> &'static str {
+        match self.side {
+            Side::Host => "host",
+            Side::Gpu(_) => "gpu",
+        }
+    }
+
+    /// The GPU side, if this instance runs one.
+    pub(crate) fn gpu(&self) -> Option<&gpu::GpuSide> {
+        match &self.side {
+            Side::Gpu(g) => Some(g),
+            Side::Host => None,
+        }
+    }
+
+    /// The settings the instance runs with.
+    pub(crate) fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Largest element count of one call of `dtype`.
+    pub(crate) fn max_count(&self, dtype: Dtype) -> usize {
+        (self.layout.slot_bytes() / dtype.size()).min(abi::ARX_MAX_COUNT as usize)
+    }
+
+    /// The slot check: the one place a call's size is judged.
+    fn check_count(&self, dtype: Dtype, count: usize) -> Result<()> {
+        if count > self.max_count(dtype) {
+            return Err(Error::InvalidArgument(format!(
+                "{count} elements of {} ({} bytes) exceed the slot of {} bytes (ARX_SLOT_BYTES)",
+                dtype.name(),
+                count.saturating_mul(dtype.size()),
+                self.layout.slot_bytes()
+            )));
+        }
+        Ok(())
+    }
+
+    fn fail(&mut self, e: Error) -> Error {
+        self.failed.get_or_insert(e.clone());
+        e
+    }
+
+    /// The sticky error, or what either side recorded, or the proxy's.
+    pub(crate) fn ready(&mut self) -> Result<()> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        if let Some(e) = status::error(&self.region, &self.layout, &self.link) {
+            return Err(self.fail(e));
+        }
+        self.link.health().map_err(|e| self.fail(e))
+    }
+
+    /// Waits for everything enqueued on the GPU (if any).
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        match &self.side {
+            Side::Gpu(g) => g.synchronize(),
+            Side::Host => Ok(()),
+        }
+    }
+
+    /// Synchronizes, then [`Device::ready`].
+    pub(crate) fn check(&mut self) -> Result<()> {
+        if let Err(e) = self.synchronize() {
+            return Err(self.fail(e));
+        }
+        self.ready()
+    }
+
+    /// The call number the next host call uses. On the GPU side the
+    /// counter lives in device memory (graph replays advance it without
+    /// the host): the GPU is synchronized and the counter read.
+    fn next_host_seq(&mut self) -> Result<u64> {
+        match &self.side {
+            Side::Host => Ok(self.seq + 1),
+            Side::Gpu(g) => {
+                g.synchronize()?;
+                if let Some(e) = status::error(&self.region, &self.layout, &self.link) {
+                    return Err(e);
+                }
+                Ok(g.device_seq()? + 1)
+            }
+        }
+    }
+
+    /// After host call `seq`: the GPU's counter follows it.
+    fn host_seq_done(&mut self, seq: u64) -> Result<()> {
+        self.seq = seq;
+        match &self.side {
+            Side::Gpu(g) => g.set_device_seq(seq),
+            Side::Host => Ok(()),
+        }
+    }
+
+    /// One host call (`input` None: in place in `output`).
+    pub(crate) fn host_call<T: Element>(
+        &mut self,
+        input: Option<&[T]>,
+        output: &mut [T],
+    ) -> Result<()> {
+        self.ready()?;
+        if let Some(i) = input {
+            if i.len() != output.len() {
+                let e = Error::InvalidArgument(format!(
+                    "input has {} elements, output {}",
+                    i.len(),
+                    output.len()
+                ));
+                return self.refuse_host(output.len(), e);
+            }
+        }
+        if let Err(e) = self.check_count(T::DTYPE, output.len()) {
+            return self.refuse_host(output.len(), e);
+        }
+        let seq = self.next_host_seq().map_err(|e| self.fail(e))?;
+        let env = oneshot::Env {
+            region: &self.region,
+            layout: &self.layout,
+            cfg: &self.cfg,
+            link: &self.link,
+        };
+        let r = oneshot::host(&env, seq, input, output);
+        let r = r.and_then(|()| self.host_seq_done(seq));
+        if r.is_err() {
+            self.seq = seq;
+        }
+        r.map_err(|e| self.fail(e))
+    }
+
+    /// Refuses a host call without leaving the peers to time out: it
+    /// publishes the call with the "invalid" dtype and no data, so every
+    /// peer fails at once with [`Error::CallMismatch`] naming this rank, and
+    /// this rank returns `err`. The instance is failed afterwards.
+    fn refuse_host(&mut self, count: usize, err: Error) -> Result<()> {
+        match self.next_host_seq() {
+            Ok(seq) => {
+                let c = count.min(abi::ARX_MAX_COUNT as usize);
+                self.region
+                    .ctrl()
+                    .publish(seq, flag_word(seq, abi::ARX_DTYPE_INVALID, c), 0);
+                let _ = self.host_seq_done(seq);
+            }
+            Err(e) => log::warn!("arx: could not announce the refused call to peers: {e}"),
+        }
+        Err(self.fail(err))
+    }
+
+    /// Checks that `stream` belongs to this instance's GPU.
+    pub(crate) fn same_context(&self, stream: &CudaStream) -> Result<()> {
+        match &self.side {
+            Side::Gpu(g) if g.context().cu_ctx() == stream.context().cu_ctx() => Ok(()),
+            Side::Gpu(g) => Err(Error::InvalidArgument(format!(
+                "the stream belongs to CUDA device {}, this instance to device {}",
+                stream.context().ordinal(),
+                g.context().ordinal()
+            ))),
+            Side::Host => Err(Error::InvalidArgument(
+                "this instance runs the host device side (no usable GPU, or ARX_DEVICE=host): use allreduce_host".into(),
+            )),
+        }
+    }
+
+    /// The CUDA context of the GPU side.
+    pub(crate) fn cuda_context(&self) -> Option<&Arc<CudaContext>> {
+        self.gpu().map(|g| g.context())
+    }
+
+    /// One GPU call, enqueued on `stream`.
+    ///
+    /// # Safety
+    /// As [`crate::Arx::allreduce_raw`].
+    pub(crate) unsafe fn gpu_call(
+        &mut self,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: Dtype,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ready()?;
+        if let Err(e) = self.check_count(dtype, count) {
+            return self.refuse_gpu(count, e, stream);
+        }
+        let Side::Gpu(g) = &mut self.side else {
+            return Err(Error::InvalidArgument(
+                "this instance runs the host device side: use allreduce_host".into(),
+            ));
+        };
+        // SAFETY: the caller's contract (addresses, stream) is passed on.
+        let r = unsafe { g.launch(input, output, count, dtype.code(), stream) };
+        r.map_err(|e| self.fail(e))
+    }
+
+    /// Refuses a GPU call: the kernel publishes it with the "invalid" dtype
+    /// and no data (so peers fail at once, also inside a graph), and this
+    /// rank returns `err`; the instance is failed afterwards.
+    pub(crate) fn refuse_gpu(
+        &mut self,
+        count: usize,
+        err: Error,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ready()?;
+        if let Side::Gpu(g) = &mut self.side {
+            let c = count.min(abi::ARX_MAX_COUNT as usize);
+            // SAFETY: an INVALID call touches no input or output memory.
+            if let Err(e) = unsafe { g.launch(0, 0, c, abi::ARX_DTYPE_INVALID, stream) } {
+                log::warn!("arx: could not announce the refused call to peers: {e}");
+            }
+        }
+        Err(self.fail(err))
+    }
+
+    /// Test hook: the kernels' conversions (see [`gpu::GpuSide::convert_check`]).
+    pub(crate) fn convert_check(&self, bits: &[u32]) -> Result<gpu::ConvertOut> {
+        match &self.side {
+            Side::Gpu(g) => g.convert_check(bits),
+            Side::Host => Err(Error::InvalidArgument("no GPU side".into())),
+        }
+    }
+}

@@ -343,11 +343,9 @@ impl Fabric for ShmFabric {
     fn post(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
         let p = (seq & 1) as usize;
         let me = self.layout.rank();
-        let world = self.layout.world();
         let mine = &self.regions[me];
         let src = self.layout.send_offset(p);
-        for step in 1..world {
-            let q = (me + step) % world;
+        for q in self.layout.peers() {
             let peer = &self.regions[q];
             let dst = self.layout.recv_offset(p, me);
             for lane in 0..2 {

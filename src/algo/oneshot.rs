@@ -1,15 +1,43 @@
-//! The Host device side: the protocol of kernels/arx_abi.h run by the calling
-//! thread on host slices.
+//! The one-shot all-reduce on the host device side: the protocol of
+//! `kernels/arx_abi.h`, run by the calling thread on host slices. (Its GPU
+//! twin is `kernels/oneshot.cuh`.)
+//!
+//! Every rank's partial goes to every peer (the proxy posts it), and every
+//! rank sums all partials in rank order with an fp32 accumulator, rounding
+//! once. A failure is recorded in the control block (`ctrl.status` and the
+//! `err_*` words) exactly as the kernel records it, and translated by the
+//! one translator, `device::status`.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use crate::dtype::{describe_call, sum_in_rank_order, Element};
-use crate::error::{Error, Result};
-use crate::layout::{flag_call, flag_seq, flag_word, Layout, Region};
-use crate::proxy::{peer_flags, Shared};
+use crate::abi;
+use crate::device::status;
+use crate::dtype::{sum_in_rank_order, Element};
+use crate::error::Result;
+use crate::layout::{flag_seq, flag_word, Layout, Region};
+use crate::proxy::Link;
 use crate::spin::Backoff;
 use crate::{Config, Staging};
+
+/// What one call needs: the instance's region, layout, settings and proxy.
+pub(crate) struct Env<'a> {
+    pub region: &'a Region,
+    pub layout: &'a Layout,
+    pub cfg: &'a Config,
+    pub link: &'a Link,
+}
+
+impl Env<'_> {
+    /// Records a failure the way the kernel does and returns its error.
+    fn fail(&self, code: u32, peer: usize, lane: u32, seq: u64, flag: u64) -> crate::Error {
+        status::record(self.region, code, peer as u32, lane, seq, flag);
+        status::error(self.region, self.layout, self.link).unwrap_or_else(|| crate::Error::Kernel {
+            seq,
+            detail: "a failure was recorded but cannot be read back".into(),
+        })
+    }
+}
 
 /// Words of the arrived-flags bit set: two lanes for each of at most
 /// `ARX_MAX_WORLD - 1` peers (kept on the stack: no allocation per call).
@@ -18,15 +46,18 @@ const FLAG_SET_WORDS: usize = (2 * crate::abi::ARX_MAX_WORLD as usize).div_ceil(
 /// Runs one call: publish, wait for every peer's flags, sum in rank order.
 ///
 /// `input` None means in place (the partial is read from `output`).
-pub(crate) fn allreduce<T: Element>(
-    region: &Region,
-    layout: &Layout,
-    cfg: &Config,
-    shared: &Shared,
+pub(crate) fn host<T: Element>(
+    env: &Env<'_>,
     seq: u64,
     input: Option<&[T]>,
     output: &mut [T],
 ) -> Result<()> {
+    let Env {
+        region,
+        layout,
+        cfg,
+        link,
+    } = *env;
     let me = layout.rank();
     let world = layout.world();
     let count = output.len();
@@ -44,11 +75,10 @@ pub(crate) fn allreduce<T: Element>(
     // every peer before that peer could end seq-2 and send the seq-1 flag
     // this rank needed to end seq-1. `src` is the caller's memory.
     unsafe { region.write(layout.send_offset(p), src) };
-    ctrl.meta(p).store(flag, Ordering::Relaxed);
-    ctrl.seq().store(seq, Ordering::Release);
+    ctrl.publish(seq, flag, bytes);
     // Post it from this thread rather than waking the proxy (same order:
     // posting is serialised by the engine lock).
-    shared.pump(true);
+    link.pump(true);
 
     // 2. Wait for both lanes of every peer, bounded. Every round looks at
     //    every flag still missing, so that a peer reporting a failure (or a
@@ -65,7 +95,8 @@ pub(crate) fn allreduce<T: Element>(
             if arrived[i / 64] & (1 << (i % 64)) != 0 {
                 continue;
             }
-            let (q, lane) = ((me + 1 + i / 2) % world, i % 2);
+            // Flag i: peer number i / 2 in `Layout::peers` order, lane i % 2.
+            let (q, lane) = (layout.peer(i / 2), i % 2);
             let f = region
                 .u64_at(layout.flag_offset(p, q, lane))
                 .load(Ordering::Acquire);
@@ -73,14 +104,7 @@ pub(crate) fn allreduce<T: Element>(
                 continue;
             }
             if f != flag {
-                let (d, n) = flag_call(f);
-                return Err(Error::CallMismatch {
-                    seq,
-                    rank: me,
-                    ours: describe_call(T::DTYPE.code(), count),
-                    peer: q,
-                    theirs: describe_call(d, n),
-                });
+                return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
             }
             arrived[i / 64] |= 1 << (i % 64);
             missing -= 1;
@@ -93,19 +117,22 @@ pub(crate) fn allreduce<T: Element>(
         }
         // Keep our own sends moving (verbs completions, a full send queue)
         // while waiting.
-        shared.pump(false);
-        if ctrl.aborted() {
-            return Err(shared.error().unwrap_or_else(|| Error::Kernel {
-                seq,
-                detail: "aborted while waiting for peers".into(),
-            }));
-        }
-        if start.elapsed() > cfg.timeout {
-            return Err(Error::Timeout {
-                during: "allreduce (waiting for peers' flags)",
-                waited: start.elapsed(),
-                detail: format!("rank {me}, call {seq}: {}", peer_flags(region, layout, seq)),
-            });
+        link.pump(false);
+        if ctrl.aborted() || start.elapsed() > cfg.timeout {
+            let code = if ctrl.aborted() {
+                abi::ARX_STATUS_ABORTED
+            } else {
+                abi::ARX_STATUS_TIMEOUT
+            };
+            // Name the first missing peer and lane, as the kernel does.
+            let i = (0..flags)
+                .find(|&i| arrived[i / 64] & (1 << (i % 64)) == 0)
+                .unwrap_or(0);
+            let (q, lane) = (layout.peer(i / 2), i % 2);
+            let f = region
+                .u64_at(layout.flag_offset(p, q, lane))
+                .load(Ordering::Acquire);
+            return Err(env.fail(code, q, lane as u32, seq, f));
         }
         backoff.idle();
     }
@@ -133,7 +160,7 @@ pub(crate) fn allreduce<T: Element>(
     //    On a host instance it makes `ARX_STAGING=copy` mean "my sends are
     //    done when I return".
     if cfg.staging == Staging::CopyEngine {
-        wait_sent(region, layout, cfg, shared, seq)?;
+        wait_sent(env, seq)?;
     }
     ctrl.done().store(seq, Ordering::Release);
     Ok(())
@@ -143,40 +170,24 @@ pub(crate) fn allreduce<T: Element>(
 /// (`ctrl.sent >= seq`), pumping it meanwhile; bounded by the timeout and
 /// the abort word (the proxy also releases `sent` after a failure, once
 /// nothing it posted is outstanding).
-fn wait_sent(
-    region: &Region,
-    layout: &Layout,
-    cfg: &Config,
-    shared: &Shared,
-    seq: u64,
-) -> Result<()> {
-    let ctrl = region.ctrl();
+fn wait_sent(env: &Env<'_>, seq: u64) -> Result<()> {
+    let ctrl = env.region.ctrl();
     let start = Instant::now();
-    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
+    let mut backoff = Backoff::new(env.cfg.spin, env.cfg.spin_hot.unwrap_or(64));
     loop {
         if ctrl.sent().load(Ordering::Acquire) >= seq {
             return Ok(());
         }
-        if shared.pump(false) {
+        if env.link.pump(false) {
             backoff.reset();
         }
+        // Own sends: the kernel's convention (peer = this rank, no lane).
+        let me = env.layout.rank();
         if ctrl.aborted() {
-            return Err(shared.error().unwrap_or_else(|| Error::Kernel {
-                seq,
-                detail: "aborted while waiting for this rank's own sends".into(),
-            }));
+            return Err(env.fail(abi::ARX_STATUS_ABORTED, me, u32::MAX, seq, 0));
         }
-        if start.elapsed() > cfg.timeout {
-            return Err(Error::Timeout {
-                during: "allreduce (waiting for this rank's own sends, ARX_STAGING=copy)",
-                waited: start.elapsed(),
-                detail: format!(
-                    "rank {}, call {seq}: its own proxy reports sends complete only up to call {}; \
-                     the local NIC has not completed them (are the peers' NICs acknowledging?)",
-                    layout.rank(),
-                    ctrl.sent().load(Ordering::Acquire)
-                ),
-            });
+        if start.elapsed() > env.cfg.timeout {
+            return Err(env.fail(abi::ARX_STATUS_TIMEOUT, me, u32::MAX, seq, 0));
         }
         backoff.idle();
     }
@@ -188,7 +199,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::allreduce;
+    use super::{host, Env};
     use crate::config::{Config, Overrides, Staging};
     use crate::dtype::Element;
     use crate::error::{Error, Result};
@@ -256,15 +267,14 @@ mod tests {
             let input = verify::input::<f32>(SEED, seq, 0, COUNT);
             let mut out = vec![0f32; COUNT];
             verify::poison(&mut out);
-            let r = allreduce(
-                &self.region,
-                &self.layout,
-                &self.cfg,
-                self.proxy.shared(),
-                seq,
-                Some(&input),
-                &mut out,
-            );
+            let link = self.proxy.link();
+            let env = Env {
+                region: &self.region,
+                layout: &self.layout,
+                cfg: &self.cfg,
+                link: &link,
+            };
+            let r = host(&env, seq, Some(&input), &mut out);
             (r, out)
         }
 
@@ -347,7 +357,7 @@ mod tests {
             Err(Error::Proxy(m)) => assert!(m.contains("call 1"), "{m}"),
             Err(e) => panic!("unexpected error {e}"),
         }
-        assert!(r.proxy.shared().error().is_some());
+        assert!(r.proxy.link().error().is_some());
     }
 
     #[test]

@@ -1,0 +1,105 @@
+//! [`Builder`]: explicit settings for an [`Arx`] instance, and the start of
+//! its construction (the settings exchange that every rank runs first).
+
+use std::time::Duration;
+
+use mpi::topology::Communicator;
+
+use crate::bootstrap::{self, Bootstrap};
+use crate::config::{self, Config, DeviceKind, FabricKind, SpinMode, Staging};
+use crate::error::Result;
+use crate::{wire, Arx};
+
+/// Options for [`Arx`]; each overrides its `ARX_*` environment variable.
+#[derive(Debug, Clone, Default)]
+pub struct Builder {
+    o: config::Overrides,
+}
+
+impl Builder {
+    /// Device side (`ARX_DEVICE`).
+    pub fn device(mut self, d: DeviceKind) -> Self {
+        self.o.device = Some(d);
+        self
+    }
+    /// Fabric (`ARX_FABRIC`).
+    pub fn fabric(mut self, f: FabricKind) -> Self {
+        self.o.fabric = Some(f);
+        self
+    }
+    /// Largest partial in bytes (`ARX_SLOT_BYTES`); rounded up to a page.
+    pub fn slot_bytes(mut self, b: usize) -> Self {
+        self.o.slot_bytes = Some(b);
+        self
+    }
+    /// Bound on every wait of a call, of [`Arx::barrier`] and of the
+    /// collective close at drop (`ARX_TIMEOUT_MS`); 1 ms to 24 h, checked
+    /// by [`Builder::build`].
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.o.timeout = Some(t);
+        self
+    }
+    /// Bound on each collective step of start-up (`ARX_INIT_TIMEOUT_MS`);
+    /// 1 ms to 24 h, checked by [`Builder::build`].
+    pub fn init_timeout(mut self, t: Duration) -> Self {
+        self.o.init_timeout = Some(t);
+        self
+    }
+    /// Stall duration after which the watchdog logs peers' flags (`ARX_STALL_WARN_MS`).
+    pub fn stall_warn(mut self, t: Duration) -> Self {
+        self.o.stall_warn = Some(t);
+        self
+    }
+    /// CPU spin policy (`ARX_SPIN`).
+    pub fn spin(mut self, s: SpinMode) -> Self {
+        self.o.spin = Some(s);
+        self
+    }
+    /// GPU send-slot staging (`ARX_STAGING`).
+    pub fn staging(mut self, s: Staging) -> Self {
+        self.o.staging = Some(s);
+        self
+    }
+    /// RDMA devices for lane 0 and lane 1 (`ARX_DEVICES`).
+    pub fn devices(mut self, d: Vec<String>) -> Self {
+        self.o.devices = Some(d);
+        self
+    }
+    /// RoCE GID index for every device (`ARX_GID_INDEX`).
+    pub fn gid_index(mut self, g: u32) -> Self {
+        self.o.gid_index = Some(g);
+        self
+    }
+    /// CPU for the proxy thread (`ARX_PROXY_CPU`).
+    pub fn proxy_cpu(mut self, c: usize) -> Self {
+        self.o.proxy_cpu = Some(c);
+        self
+    }
+    /// CUDA device ordinal of the GPU device side (`ARX_CUDA_DEVICE`).
+    pub fn cuda_device(mut self, ordinal: usize) -> Self {
+        self.o.cuda_device = Some(ordinal);
+        self
+    }
+
+    /// Creates the instance: collective over `comm`, each step bounded by
+    /// the start-up timeout. Every rank returns an error if any rank fails
+    /// or disagrees; see the crate docs (Guarantees) for a timeout.
+    pub fn build<C: Communicator>(self, comm: &C) -> Result<Arx> {
+        // Before any MPI call (even MPI_Comm_size): outside MPI_Init ..
+        // MPI_Finalize, Open MPI aborts the process.
+        bootstrap::usable("MPI_Comm_idup")?;
+        // A bad setting on one rank must fail every rank at once, not leave
+        // the others waiting: every rank sends its settings or its refusal
+        // in the first collective, of one fixed shape.
+        let cfg = Config::resolve(&self.o);
+        let init_timeout = match &cfg {
+            Ok(c) => c.init_timeout,
+            Err(_) => Config::init_timeout_or_default(&self.o),
+        };
+        let record =
+            wire::Settings::local(comm.size() as usize, comm.rank() as usize, &cfg).encode();
+        let (boot, all) = Bootstrap::start(comm, init_timeout, &record)?;
+        let cfg = wire::agree_settings(cfg, &all)?;
+        crate::establish::establish(boot, cfg)
+    }
+}

@@ -1,0 +1,110 @@
+//! The one place where a failed call is recorded and translated.
+//!
+//! Both device sides record the first failure of an instance the same way:
+//! `ctrl.status` (an `ARX_STATUS_*` code, first one wins) with the details in
+//! `err_peer`, `err_lane`, `err_seq` and `err_flag` — the kernel in
+//! `kernels/device.cuh` (`arx_fail`), the host side through [`record`].
+//! [`error`] turns what was recorded into an [`Error`] for either side.
+//!
+//! Conventions for `err_peer`/`err_lane`: a peer and lane whose flag was
+//! missing or wrong; `err_peer` = this rank with `err_lane` = `u32::MAX`:
+//! this rank's own sends (or staging) did not finish.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::abi;
+use crate::dtype::CallDesc;
+use crate::error::Error;
+use crate::layout::{flag_call, flag_seq, peer_flags, Layout, Region};
+use crate::proxy::Link;
+
+/// Records a failure unless one was recorded before (the first one stays).
+pub(crate) fn record(region: &Region, code: u32, peer: u32, lane: u32, seq: u64, flag: u64) {
+    let ctrl = region.ctrl();
+    // Claim the slot first (like the kernel's CAS on its device status) so
+    // that only the first failure writes the details.
+    if ctrl
+        .status()
+        .compare_exchange(0, u32::MAX, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        return;
+    }
+    ctrl.err_peer().store(peer, Ordering::Relaxed);
+    ctrl.err_lane().store(lane, Ordering::Relaxed);
+    ctrl.err_seq().store(seq, Ordering::Relaxed);
+    ctrl.err_flag().store(flag, Ordering::Relaxed);
+    ctrl.status().store(code, Ordering::Release);
+}
+
+/// The error recorded in the control block, if any.
+pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Error> {
+    let ctrl = region.ctrl();
+    let status = ctrl.status().load(Ordering::Acquire);
+    if status == abi::ARX_STATUS_OK || status == u32::MAX {
+        // (u32::MAX: a host-side record in progress on this thread only;
+        // never seen by the same thread that records.)
+        return None;
+    }
+    let me = layout.rank();
+    let seq = ctrl.err_seq().load(Ordering::Relaxed);
+    let peer = ctrl.err_peer().load(Ordering::Relaxed);
+    let lane = ctrl.err_lane().load(Ordering::Relaxed);
+    let flag = ctrl.err_flag().load(Ordering::Relaxed);
+    let own = lane == u32::MAX && peer as usize == me;
+    Some(match status {
+        abi::ARX_STATUS_MISMATCH => {
+            let ours = ctrl.meta((seq & 1) as usize).load(Ordering::Relaxed);
+            let (od, on) = flag_call(ours);
+            let (td, tn) = flag_call(flag);
+            Error::CallMismatch {
+                seq,
+                rank: me,
+                ours: CallDesc::new(od, on),
+                peer: peer as usize,
+                theirs: CallDesc::new(td, tn),
+            }
+        }
+        abi::ARX_STATUS_ABORTED => link.error().unwrap_or_else(|| Error::Kernel {
+            seq,
+            detail: format!("rank {me}: aborted (abort word set) while waiting"),
+        }),
+        abi::ARX_STATUS_TIMEOUT => {
+            let waited = Duration::from_nanos(ctrl.timeout_ns().load(Ordering::Relaxed));
+            if own {
+                Error::Timeout {
+                    during: "allreduce (waiting for this rank's own sends)",
+                    waited,
+                    detail: format!(
+                        "rank {me}, call {seq}: its own proxy reports sends complete only up to call {} \
+                         (or the staging did not finish); the local NIC has not completed them \
+                         (are the peers' NICs acknowledging?)",
+                        ctrl.sent().load(Ordering::Acquire)
+                    ),
+                }
+            } else {
+                let what = if lane == u32::MAX {
+                    "no flag was missing when the deadline passed".to_string()
+                } else {
+                    format!(
+                        "peer {peer} lane {lane} had not arrived (its flag there: call {})",
+                        flag_seq(flag)
+                    )
+                };
+                Error::Timeout {
+                    during: "allreduce (waiting for peers' flags)",
+                    waited,
+                    detail: format!(
+                        "rank {me}, call {seq}: {what}; all flags: {}",
+                        peer_flags(region, layout, seq)
+                    ),
+                }
+            }
+        }
+        other => Error::Kernel {
+            seq,
+            detail: format!("rank {me}: unknown status {other} in the control block"),
+        },
+    })
+}

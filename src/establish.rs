@@ -1,0 +1,184 @@
+//! Construction of an instance after the settings were agreed: device side,
+//! layout, peers' descriptions, fabric (and, over Verbs, the topology),
+//! device side, proxy, start-up barrier. Every step is collective and runs
+//! the same collectives on every rank whatever the settings, so that a
+//! failure on one rank fails every rank instead of desynchronising them.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::bootstrap::Bootstrap;
+use crate::config::{Config, DeviceKind, FabricKind};
+use crate::device::{self, Device, Side};
+use crate::error::{Error, Result};
+use crate::fabric::{self, Fabric};
+use crate::layout::{Layout, Region};
+use crate::proxy::Proxy;
+use crate::wire::{self, PeerInfo};
+use crate::{topology, Arx};
+
+pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
+    let world = boot.world();
+    let rank = boot.rank();
+
+    // Device side. Auto takes the GPU only if every rank can, so that
+    // all ranks run the same side (and a rank without a GPU does not
+    // fail a job that never asked for one). The availability is
+    // exchanged whatever the setting, so that every rank runs the same
+    // collectives; the host side does not probe (no driver loading).
+    let probe = match cfg.device {
+        DeviceKind::Host => Err(Error::Unavailable {
+            what: "the GPU device side",
+            reason: "not probed (ARX_DEVICE=host)".into(),
+        }),
+        _ => device::gpu::device_count().map(|_| ()),
+    };
+    let avail = boot.all_gather_bytes(
+        "GPU availability",
+        &match &probe {
+            Ok(()) => vec![1],
+            Err(e) => [&[0u8][..], e.to_string().as_bytes()].concat(),
+        },
+    )?;
+    let missing = avail.iter().position(|b| b.first() != Some(&1));
+    let peer_text =
+        |r: usize| String::from_utf8_lossy(avail[r].get(1..).unwrap_or_default()).into_owned();
+    let want_gpu = match cfg.device {
+        DeviceKind::Host => false,
+        DeviceKind::Gpu => {
+            probe?;
+            if let Some(r) = missing {
+                return Err(Error::PeerFailed {
+                    peer: r,
+                    reason: peer_text(r),
+                });
+            }
+            true
+        }
+        DeviceKind::Auto => match missing {
+            None => true,
+            Some(r) => {
+                log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r));
+                false
+            }
+        },
+    };
+    let device_code = if want_gpu {
+        DeviceKind::Gpu.code()
+    } else {
+        DeviceKind::Host.code()
+    };
+    let layout = boot.agree("layout", Layout::new(world, rank, cfg.slot_bytes))?;
+
+    // Everyone's description, validated identically on every rank.
+    let me = PeerInfo::local(world, rank, layout.slot_bytes(), cfg.fabric, device_code);
+    let infos = wire::validate(&boot.all_gather_bytes("PeerInfo", &me.encode())?)?;
+    let one_node = infos.iter().all(|p| p.host == infos[0].host);
+    let local_ranks = infos.iter().filter(|p| p.host == infos[rank].host).count();
+    let mut cfg = cfg;
+    cfg.spin_hot = Some(cfg.hot_rounds(local_ranks));
+    let fabric_kind = match cfg.fabric {
+        FabricKind::Auto if one_node => FabricKind::Shm,
+        FabricKind::Auto => FabricKind::Verbs,
+        k => k,
+    };
+    if fabric_kind == FabricKind::Shm && !one_node {
+        let other = infos
+            .iter()
+            .position(|p| p.host != infos[0].host)
+            .unwrap_or(0);
+        return Err(Error::Mismatch {
+            what: "node (the shm fabric needs every rank on one node)",
+            rank: other,
+            ours: infos[0].host.clone(),
+            theirs: infos[other].host.clone(),
+        });
+    }
+
+    // The CUDA context: this rank's index among the ranks of its node
+    // picks the device unless one was set.
+    let ranks_on_node = infos.iter().filter(|p| p.host == infos[rank].host).count();
+    let ctx = if want_gpu {
+        let local = infos[..rank]
+            .iter()
+            .filter(|p| p.host == infos[rank].host)
+            .count();
+        let ctx = device::gpu::device_count()
+            .and_then(|n| device::gpu::context(cfg.cuda_device.unwrap_or(local % n)));
+        Some(boot.agree("CUDA context", ctx)?)
+    } else {
+        None
+    };
+
+    // Region and fabric.
+    let (region, fabric): (Arc<Region>, Box<dyn Fabric>) = match fabric_kind {
+        FabricKind::Shm => {
+            let setup = fabric::shm::establish(&boot, &layout)?;
+            let region = Arc::clone(&setup.regions[rank]);
+            (
+                region,
+                Box::new(fabric::shm::ShmFabric::new(layout, &setup)),
+            )
+        }
+        _ => {
+            let region = match &ctx {
+                Some(c) => device::gpu::alloc_region(c, layout.region_bytes()),
+                None => Region::anonymous(layout.region_bytes()),
+            };
+            let region = Arc::new(boot.agree("region", region)?);
+            let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
+            let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
+            let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, local)?;
+            (region, Box::new(f))
+        }
+    };
+    // The one copy of the call timeout: the host side and the proxy read it
+    // here, the GPU side copies it into its device state.
+    region
+        .ctrl()
+        .timeout_ns()
+        .store(cfg.timeout.as_nanos() as u64, Ordering::Relaxed);
+    // The GPU side is complete (region mapped, kernels loaded, device
+    // state initialised) before the proxy starts.
+    let side = match ctx {
+        Some(ctx) => {
+            let g = device::gpu::GpuSide::new(
+                ctx,
+                Arc::clone(&region),
+                fabric_kind == FabricKind::Shm,
+                layout,
+                &cfg,
+                ranks_on_node,
+            );
+            Side::Gpu(Box::new(boot.agree("GPU side", g)?))
+        }
+        None => Side::Host,
+    };
+    // Test-only: every post late (fabric::delayed).
+    let fabric: Box<dyn Fabric> = match fabric::delayed::from_env() {
+        Some(d) => Box::new(fabric::delayed::Delayed::new(fabric, d)),
+        None => fabric,
+    };
+    let fabric_name = fabric.name();
+    let fabric_desc = fabric.describe();
+    let proxy = boot.agree("proxy start", {
+        let cpu = cfg.proxy_cpu.or(fabric.proxy_cpu());
+        Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
+    })?;
+    boot.barrier("start-up barrier")?;
+    boot.set_call_timeout(cfg.timeout);
+    let device = Device::new(side, region, layout, cfg, proxy.link());
+    log::info!(
+        "arx: rank {rank}/{world} ready: device {}, fabric {fabric_name} ({fabric_desc}), {} bytes mapped",
+        device.describe(),
+        layout.region_bytes()
+    );
+    Ok(Arx {
+        device,
+        proxy,
+        layout,
+        fabric_desc,
+        fabric_name,
+        boot,
+    })
+}
