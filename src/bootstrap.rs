@@ -118,10 +118,10 @@ unsafe fn wait(
     let mut backoff = Backoff::new(crate::config::SpinMode::Adaptive, 200);
     loop {
         let mut flag: c_int = 0;
-        check(
-            "MPI_Test",
-            ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE),
-        )?;
+        // SAFETY: `req` is a live request (the caller's contract).
+        check("MPI_Test", unsafe {
+            ffi::MPI_Test(req, &mut flag, ffi::RSMPI_STATUS_IGNORE)
+        })?;
         if flag != 0 {
             return Ok(());
         }
@@ -152,14 +152,19 @@ impl PostedDup {
     /// # Safety
     /// `of` must be a live intra-communicator.
     unsafe fn post(of: ffi::MPI_Comm) -> Result<Self> {
-        let out: *mut ffi::MPI_Comm = Box::into_raw(Box::new(ffi::RSMPI_COMM_NULL));
-        let mut req: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
-        let rc = ffi::MPI_Comm_idup(of, out, &mut req);
-        if rc != 0 {
-            drop(Box::from_raw(out));
-            return Err(mpi_error("MPI_Comm_idup", rc));
+        // SAFETY: reading MPI's predefined handles; `of` is live (the
+        // caller's contract) and `out` outlives the request (it is freed
+        // only once the request completed, and leaked otherwise).
+        unsafe {
+            let out: *mut ffi::MPI_Comm = Box::into_raw(Box::new(ffi::RSMPI_COMM_NULL));
+            let mut req: ffi::MPI_Request = ffi::RSMPI_REQUEST_NULL;
+            let rc = ffi::MPI_Comm_idup(of, out, &mut req);
+            if rc != 0 {
+                drop(Box::from_raw(out));
+                return Err(mpi_error("MPI_Comm_idup", rc));
+            }
+            Ok(PostedDup { req, out })
         }
-        Ok(PostedDup { req, out })
     }
 
     /// Waits for the new handle (on timeout the request stays posted and

@@ -526,7 +526,10 @@ impl GpuSide {
         if ce && bytes > 0 {
             for parity in 0..2 {
                 let dst = self.region_dev + self.layout.send_offset(parity) as u64;
-                result::memcpy_dtod_async(dst, input, bytes, stream)
+                // SAFETY: `dst` is a send slot of the mapped region (the
+                // slot check bounds `bytes`), `input` is valid for `bytes`
+                // by the caller's contract, on the caller's stream.
+                unsafe { result::memcpy_dtod_async(dst, input, bytes, stream) }
                     .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             }
         }
@@ -545,14 +548,19 @@ impl GpuSide {
         let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));
         params.unroll = unroll;
         let mut args = [(&mut params as *mut abi::arx_params_t).cast::<c_void>()];
-        result::launch_kernel(
-            self.module.kernel(dtype),
-            (blocks, 1, 1),
-            (THREADS, 1, 1),
-            0,
-            stream,
-            &mut args,
-        )
+        // SAFETY: the kernel takes exactly one `arx_params_t` by value
+        // (kernels/arx.cu); the addresses in it are valid by the caller's
+        // contract and the region/state live as long as this side.
+        unsafe {
+            result::launch_kernel(
+                self.module.kernel(dtype),
+                (blocks, 1, 1),
+                (THREADS, 1, 1),
+                0,
+                stream,
+                &mut args,
+            )
+        }
         .map_err(cuda_err("cuLaunchKernel"))?;
         self.order.after(stream, cap)
     }
