@@ -25,6 +25,7 @@ use crate::layout::{flag_word, Layout, Region};
 use crate::proxy::Link;
 
 pub(crate) mod gpu;
+mod nvrtc;
 pub(crate) mod order;
 pub(crate) mod status;
 
@@ -269,7 +270,7 @@ impl Device {
             ));
         };
         // SAFETY: the caller's contract (addresses, stream) is passed on.
-        let r = unsafe { g.launch(input, output, count, dtype.code(), stream) };
+        let r = unsafe { g.launch(input, output, count, Some(dtype), stream) };
         r.map_err(|e| self.fail(e))
     }
 
@@ -286,7 +287,7 @@ impl Device {
         if let Side::Gpu(g) = &mut self.side {
             let c = count.min(abi::ARX_MAX_COUNT as usize);
             // SAFETY: an INVALID call touches no input or output memory.
-            if let Err(e) = unsafe { g.launch(0, 0, c, abi::ARX_DTYPE_INVALID, stream) } {
+            if let Err(e) = unsafe { g.launch(0, 0, c, None, stream) } {
                 log::warn!("arx: could not announce the refused call to peers: {e}");
             }
         }

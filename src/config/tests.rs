@@ -1,0 +1,232 @@
+//! Unit tests of the settings: defaults, environment, builder, ranges.
+use super::*;
+use std::collections::HashMap;
+
+fn with(vars: &[(&str, &str)]) -> Result<Config> {
+    let m: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    Config::resolve_with(&Overrides::default(), move |k| m.get(k).cloned())
+}
+
+#[test]
+fn defaults() {
+    let c = with(&[]).unwrap();
+    assert_eq!(c.device, DeviceKind::Auto);
+    assert_eq!(c.fabric, FabricKind::Auto);
+    assert_eq!(c.slot_bytes, DEFAULT_SLOT_BYTES);
+    assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+    assert!(c.stall_warn < c.timeout);
+    assert_eq!(c.staging, Staging::Sm);
+    assert!(c.devices.is_none() && c.gid_index.is_none() && c.proxy_cpu.is_none());
+}
+
+#[test]
+fn environment_is_read() {
+    let c = with(&[
+        ("ARX_DEVICE", "host"),
+        ("ARX_FABRIC", "Verbs"),
+        ("ARX_SLOT_BYTES", "64K"),
+        ("ARX_TIMEOUT_MS", "2500"),
+        ("ARX_SPIN", "hot"),
+        ("ARX_STAGING", "copy"),
+        ("ARX_DEVICES", "rocep1s0f0, roceP2p1s0f0"),
+        ("ARX_GID_INDEX", "3"),
+        ("ARX_PROXY_CPU", "19"),
+    ])
+    .unwrap();
+    assert_eq!(c.device, DeviceKind::Host);
+    assert_eq!(c.fabric, FabricKind::Verbs);
+    assert_eq!(c.slot_bytes, 65536);
+    assert_eq!(c.timeout, Duration::from_millis(2500));
+    assert_eq!(c.spin, SpinMode::Hot);
+    assert_eq!(c.staging, Staging::CopyEngine);
+    assert_eq!(
+        c.devices.as_deref(),
+        Some(&["rocep1s0f0".to_string(), "roceP2p1s0f0".to_string()][..])
+    );
+    assert_eq!(c.gid_index, Some(3));
+    assert_eq!(c.proxy_cpu, Some(19));
+}
+
+#[test]
+fn builder_beats_environment() {
+    let o = Overrides {
+        slot_bytes: Some(8192),
+        fabric: Some(FabricKind::Shm),
+        ..Default::default()
+    };
+    let c = Config::resolve_with(&o, |k| match k {
+        "ARX_SLOT_BYTES" => Some("1M".into()),
+        "ARX_FABRIC" => Some("verbs".into()),
+        _ => None,
+    })
+    .unwrap();
+    assert_eq!(c.slot_bytes, 8192);
+    assert_eq!(c.fabric, FabricKind::Shm);
+}
+
+#[test]
+fn bad_values_name_the_variable() {
+    for (k, v) in [
+        ("ARX_DEVICE", "tpu"),
+        ("ARX_FABRIC", "tcp"),
+        ("ARX_SLOT_BYTES", "12Q"),
+        ("ARX_SLOT_BYTES", "0"),
+        ("ARX_TIMEOUT_MS", "-1"),
+        ("ARX_TIMEOUT_MS", "0"),
+        ("ARX_DEVICES", "a,b,c"),
+        ("ARX_GID_INDEX", "x"),
+    ] {
+        let e = with(&[(k, v)]).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains(v), "{k}={v}: {msg}");
+    }
+}
+
+fn builder(o: Overrides) -> Result<Config> {
+    Config::resolve_with(&o, |_| None)
+}
+
+/// Expects a refusal naming `name` and showing `value`.
+fn refused(r: Result<Config>, name: &str, value: &str) {
+    match r {
+        Err(Error::Config {
+            name: n, value: v, ..
+        }) => {
+            assert_eq!(n, name);
+            assert!(
+                v.contains(value),
+                "{name}: value shown as {v}, expected {value}"
+            );
+        }
+        other => panic!("{name}={value}: expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn builder_and_environment_share_the_ranges() {
+    for d in [
+        Duration::MAX,
+        Duration::ZERO,
+        Duration::from_micros(999),
+        MAX_TIMEOUT + Duration::from_nanos(1),
+    ] {
+        let shown = format!("{d:?}");
+        let o = |f: fn(&mut Overrides, Duration)| {
+            let mut o = Overrides::default();
+            f(&mut o, d);
+            o
+        };
+        refused(
+            builder(o(|o, d| o.timeout = Some(d))),
+            "Builder::timeout",
+            &shown,
+        );
+        refused(
+            builder(o(|o, d| o.init_timeout = Some(d))),
+            "Builder::init_timeout",
+            &shown,
+        );
+        refused(
+            builder(o(|o, d| o.stall_warn = Some(d))),
+            "Builder::stall_warn",
+            &shown,
+        );
+    }
+    for (k, v) in [
+        ("ARX_TIMEOUT_MS", "0"),
+        ("ARX_TIMEOUT_MS", "86400001"),
+        ("ARX_TIMEOUT_MS", "18446744073709551615"),
+        ("ARX_INIT_TIMEOUT_MS", "0"),
+        ("ARX_INIT_TIMEOUT_MS", "90000000"),
+        ("ARX_STALL_WARN_MS", "0"),
+        ("ARX_GPU_UNROLL", "0"),
+        ("ARX_GPU_UNROLL", "65"),
+        ("ARX_GPU_UNROLL", "16777216"),
+        ("ARX_GPU_BLOCKS", "0"),
+        ("ARX_GPU_BLOCKS", "1025"),
+        ("ARX_SPIN_HOT", "10000001"),
+        ("ARX_SLOT_BYTES", "0"),
+        ("ARX_SLOT_BYTES", "1G"),
+    ] {
+        refused(with(&[(k, v)]), k, v);
+    }
+    refused(
+        builder(Overrides {
+            slot_bytes: Some(0),
+            ..Default::default()
+        }),
+        "Builder::slot_bytes",
+        "0",
+    );
+    refused(
+        builder(Overrides {
+            devices: Some(vec![]),
+            ..Default::default()
+        }),
+        "Builder::devices",
+        "",
+    );
+    refused(
+        builder(Overrides {
+            devices: Some(vec!["a".into(), "b".into(), "c".into()]),
+            ..Default::default()
+        }),
+        "Builder::devices",
+        "a,b,c",
+    );
+}
+
+#[test]
+fn range_bounds_are_accepted() {
+    let c = with(&[
+        ("ARX_TIMEOUT_MS", "86400000"),
+        ("ARX_INIT_TIMEOUT_MS", "1"),
+        ("ARX_STALL_WARN_MS", "1"),
+        ("ARX_GPU_UNROLL", "64"),
+        ("ARX_GPU_BLOCKS", "1024"),
+        ("ARX_SPIN_HOT", "10000000"),
+    ])
+    .unwrap();
+    assert_eq!(c.timeout, MAX_TIMEOUT);
+    assert_eq!(c.init_timeout, MIN_TIMEOUT);
+    assert_eq!(c.stall_warn, MIN_TIMEOUT);
+    assert_eq!((c.gpu_unroll, c.gpu_blocks), (Some(64), Some(1024)));
+    assert_eq!(c.spin_hot, Some(MAX_SPIN_HOT));
+    assert_eq!(with(&[("ARX_SPIN_HOT", "0")]).unwrap().spin_hot, Some(0));
+    let c = builder(Overrides {
+        timeout: Some(MIN_TIMEOUT),
+        init_timeout: Some(MAX_TIMEOUT),
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!((c.timeout, c.init_timeout), (MIN_TIMEOUT, MAX_TIMEOUT));
+}
+
+#[test]
+fn init_timeout_is_its_own_setting() {
+    let c = with(&[("ARX_TIMEOUT_MS", "1500")]).unwrap();
+    assert_eq!(c.timeout, Duration::from_millis(1500));
+    assert_eq!(c.init_timeout, DEFAULT_INIT_TIMEOUT);
+    let c = with(&[("ARX_INIT_TIMEOUT_MS", "2500")]).unwrap();
+    assert_eq!(c.init_timeout, Duration::from_millis(2500));
+    assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+    let o = Overrides {
+        init_timeout: Some(Duration::from_secs(7)),
+        ..Default::default()
+    };
+    let c = Config::resolve_with(&o, |k| (k == "ARX_INIT_TIMEOUT_MS").then(|| "9".into())).unwrap();
+    assert_eq!(c.init_timeout, Duration::from_secs(7));
+}
+
+#[test]
+fn byte_sizes() {
+    assert_eq!(parse_bytes("x", "4096").unwrap(), 4096);
+    assert_eq!(parse_bytes("x", "8k").unwrap(), 8192);
+    assert_eq!(parse_bytes("x", "2M").unwrap(), 2 << 20);
+    assert_eq!(parse_bytes("x", "1G").unwrap(), 1 << 30);
+    assert!(parse_bytes("x", "M").is_err());
+    assert!(parse_bytes("x", "").is_err());
+}
