@@ -90,6 +90,17 @@
 //!   an error; none computes a wrong sum. Whatever the settings, every rank
 //!   runs the same sequence of start-up collectives.
 //! * Memory is fixed at construction; no allocation on the call path.
+//! * Every element of the result is `((p0 + p1) + p2) + …` over the ranks'
+//!   partials in rank order, in fp32 arithmetic (IEEE, round to nearest
+//!   even, no flush to zero, no fused multiply-add), rounded once to the
+//!   element type, on every rank and both device sides: the sign of zero
+//!   follows IEEE addition (−0.0 on every rank gives −0.0). A NaN result is
+//!   a NaN on every rank of one instance, but its payload and sign are not
+//!   specified (a GPU returns its canonical NaN, the CPU propagates a
+//!   payload).
+//! * Calls of one instance run one after another in the order they are
+//!   made, whatever CUDA streams they are enqueued on and whether they are
+//!   captured into graphs (see GPU buffers).
 //!
 //! ### Start-up, timeouts and retrying
 //!
@@ -143,10 +154,28 @@
 //! program that uses host slices. Use [`Arx::allreduce_raw`] for device
 //! pointers from other frameworks.
 //!
+//! Calls of one instance are ordered as the host makes them, whatever
+//! streams they are enqueued on: each launch waits for an event recorded
+//! after the previous one (an event wait and record node under capture,
+//! resolved at each replay; an edge between two calls captured into the
+//! same graph), so two calls never run at once — not on two streams with
+//! no dependency, not on parallel branches of one graph, not a replay next
+//! to an eager call (`src/device/order.rs`). As for MPI collectives, every
+//! rank must make (and replay) its calls in the same order.
+//!
+//! A graph may be replayed after its instance was dropped: the instance
+//! then keeps the memory such a replay touches (its mapped region, device
+//! state and kernels: about the region's size, logged at drop) and marks it
+//! closed, so the replay moves no data and writes NaN to its output.
+//!
+//! Copy-engine staging writes both send slots before each kernel; every
+//! call of such an instance (also a failed one, also a host call on a GPU
+//! instance) ends only once this rank's own sends of it are complete, so
+//! that no peer can receive the next call's data under this call's flag.
+//!
 //! Cudarc's per-slice event tracking records events on the slices' streams;
 //! inside stream capture, either use one stream for everything or disable
-//! it (`CudaContext::disable_event_tracking`). Graphs captured from an
-//! instance must not be launched after the instance is dropped.
+//! it (`CudaContext::disable_event_tracking`).
 //!
 //! ## Thread safety
 //!
