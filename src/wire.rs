@@ -606,6 +606,67 @@ mod tests {
         ));
     }
 
+    /// Hex of `b`, for the golden encodings below.
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    /// The records' byte layout is the wire format between builds of one ABI
+    /// version: pinned here (the hex came from the encoders before the shared
+    /// codec), with this build's magic and ABI version spliced in.
+    fn golden(tail: &str) -> String {
+        let mut h = hex(&abi::ARX_MAGIC.to_le_bytes());
+        h += &hex(&abi::ARX_ABI_VERSION.to_le_bytes());
+        h + tail
+    }
+
+    #[test]
+    fn peer_info_layout_is_pinned() {
+        let mut p = info(2);
+        p.host = "node-x".into();
+        p.fabric = FabricKind::Verbs;
+        p.slot_bytes = 0x0102_0304_0506_0708;
+        p.device = 2;
+        let want = golden(
+            &["03000000", "02000000", "0807060504030201", "0e000000", "02", "02", "0000"]
+                .concat(),
+        ) + "94100000" // pid
+            + "6e6f64652d78"
+            + &"00".repeat(PEER_INFO_BYTES - 42);
+        assert_eq!(hex(&p.encode()), want);
+    }
+
+    #[test]
+    fn settings_layout_is_pinned() {
+        let s = Settings {
+            magic: abi::ARX_MAGIC,
+            abi_version: abi::ARX_ABI_VERSION,
+            world: 5,
+            rank: 3,
+            refused: Some("no".into()),
+            device: 1,
+            fabric: 2,
+            staging: 3,
+            slot_bytes: 0x1122_3344_5566_7788,
+            dtype_set: DTYPE_SET,
+        };
+        let want = golden(
+            &[
+                "00010000",
+                "05000000",
+                "03000000",
+                "01010203",
+                "8877665544332211",
+                "0e000000",
+                "0200",
+            ]
+            .concat(),
+        ) + &"00".repeat(MESSAGE_AT - 38)
+            + "6e6f"
+            + &"00".repeat(SETTINGS_BYTES - MESSAGE_AT - 2);
+        assert_eq!(hex(&s.encode()), want);
+    }
+
     #[test]
     fn short_and_foreign_buffers_are_rejected() {
         let mut v = all(|_, _| {});

@@ -1766,6 +1766,35 @@ mod tests {
         }
     }
 
+    /// The endpoint record's byte layout is the wire format between builds:
+    /// pinned here (the hex came from the encoder before the shared codec).
+    #[test]
+    fn endpoint_layout_is_pinned() {
+        let b: String = endpoint(3, 1)
+            .encode()
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect();
+        let lane = |gid: &str, rkey: &str| {
+            [gid, "03000000", rkey, "05000000", "00000000"].concat()
+                // (QPN, PSN) facing ranks 0, 1 (itself), 2.
+                + "0001000042000000" + "0000000000000000" + "0201000042000000"
+        };
+        let want = [
+            "41525856", // "ARXV"
+            "0100",     // version
+            "0200",     // lanes
+            "03000000", // world
+            "01000000", // rank
+            "00000000007f0000",
+            "0000100000000000",
+        ]
+        .concat()
+            + &lane(&"01".repeat(16), "34120000")
+            + &lane(&"02".repeat(16), "35120000");
+        assert_eq!(b, want);
+    }
+
     fn rejects(b: &[u8], rank: usize, needle: &str) {
         match Endpoint::decode(rank, 3, 1 << 20, b) {
             Err(Error::PeerFailed { peer, reason }) => {
