@@ -173,6 +173,7 @@ pub mod abi {
 }
 
 mod bootstrap;
+mod codec;
 mod config;
 mod device;
 mod dtype;
