@@ -80,10 +80,6 @@ impl<'a> Reader<'a> {
         out
     }
 
-    pub(crate) fn u8(&mut self) -> u8 {
-        u8::from_le_bytes(self.array())
-    }
-
     pub(crate) fn u16(&mut self) -> u16 {
         u16::from_le_bytes(self.array())
     }
@@ -152,13 +148,13 @@ mod tests {
             [0xa1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, b'x', b'y', 0, 0, 0]
         );
         let mut r = Reader::new(&b);
-        assert_eq!(r.u8(), 0xa1);
+        assert_eq!(r.array(), [0xa1]);
         assert_eq!(r.u16(), 0x0302);
         assert_eq!(r.u32(), 0x0706_0504);
         assert_eq!(r.u64(), 0x0f0e_0d0c_0b0a_0908);
         assert_eq!(r.bytes(2), b"xy");
         r.skip_to(19);
-        assert_eq!(r.u8(), 0);
+        assert_eq!(r.array(), [0]);
         assert!(!r.overran());
     }
 
@@ -178,8 +174,8 @@ mod tests {
             assert_eq!(bytes.len(), 31);
             let mut r = Reader::new(&bytes);
             assert_eq!(
-                (r.u64(), r.array::<16>(), r.u32(), r.u16(), r.u8()),
-                (d, g, c, b, a)
+                (r.u64(), r.array::<16>(), r.u32(), r.u16(), r.array()),
+                (d, g, c, b, [a])
             );
             assert!(!r.overran());
         }
@@ -193,7 +189,7 @@ mod tests {
         assert!(!r.overran());
         assert_eq!(r.u32(), 0);
         assert!(r.overran());
-        assert_eq!((r.u8(), r.bytes(1)), (0, &[][..]));
+        assert_eq!((r.array(), r.bytes(1)), ([0], &[][..]));
         let mut r = Reader::new(&b);
         assert_eq!(r.bytes(usize::MAX), &[][..]);
         assert!(r.overran());

@@ -458,7 +458,9 @@ impl Arx {
             None
         };
 
-        // Region and fabric.
+        // Region and fabric. The topology (lanes, proxy CPU) is chosen once,
+        // for the Verbs fabric and the proxy.
+        let mut topology_cpu = None;
         let (region, fabric): (Arc<Region>, Box<dyn Fabric>) = match fabric_kind {
             FabricKind::Shm => {
                 let setup = fabric::shm::establish(&boot, &layout)?;
@@ -476,7 +478,9 @@ impl Arx {
                 let region = Arc::new(boot.agree("region", region)?);
                 let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
                 let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
-                let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, local)?;
+                let sel = boot.agree("topology", topology::select(&cfg, &local))?;
+                topology_cpu = sel.proxy_cpu;
+                let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, &sel)?;
                 (region, Box::new(f))
             }
         };
@@ -508,7 +512,7 @@ impl Arx {
         let fabric_name = fabric.name();
         let fabric_desc = fabric.describe();
         let proxy = boot.agree("proxy start", {
-            let cpu = cfg.proxy_cpu.or(fabric.proxy_cpu());
+            let cpu = cfg.proxy_cpu.or(topology_cpu);
             Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
         })?;
         boot.barrier("start-up barrier")?;
