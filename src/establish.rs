@@ -110,7 +110,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         None
     };
 
-    // Region and fabric.
+    // Region and fabric. The topology (lanes, proxy CPU) is chosen once,
+    // for the Verbs fabric and the proxy.
+    let mut topology_cpu = None;
     let (region, fabric): (Arc<Region>, Box<dyn Fabric>) = match fabric_kind {
         FabricKind::Shm => {
             let setup = fabric::shm::establish(&boot, &layout)?;
@@ -128,7 +130,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
             let region = Arc::new(boot.agree("region", region)?);
             let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
             let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
-            let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, local)?;
+            let sel = boot.agree("topology", topology::select(&cfg, &local))?;
+            topology_cpu = sel.proxy_cpu;
+            let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, &sel)?;
             (region, Box::new(f))
         }
     };
@@ -162,7 +166,7 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     let fabric_name = fabric.name();
     let fabric_desc = fabric.describe();
     let proxy = boot.agree("proxy start", {
-        let cpu = cfg.proxy_cpu.or(fabric.proxy_cpu());
+        let cpu = cfg.proxy_cpu.or(topology_cpu);
         Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
     })?;
     boot.barrier("start-up barrier")?;

@@ -205,6 +205,7 @@ pub mod abi {
 mod algo;
 mod bootstrap;
 mod builder;
+mod codec;
 mod config;
 mod device;
 mod dtype;

@@ -1,5 +1,6 @@
 //! What ranks tell each other at start-up, in two records, each with its
-//! byte encoding (little-endian, fixed layout, versioned) and validation:
+//! byte encoding (little-endian, fixed layout, versioned; written and read
+//! field by field with [`crate::codec`]) and validation:
 //!
 //! * [`Settings`], exchanged first, in one collective of fixed shape: the
 //!   settings every rank must share, or why this rank's settings were
@@ -9,6 +10,7 @@
 //! * [`PeerInfo`]: who each rank is (host, pid) once the settings agree.
 
 use crate::abi;
+use crate::codec::{Reader, Writer};
 use crate::config::{setting_name, Config, FabricKind};
 use crate::error::{Error, Result};
 
@@ -67,25 +69,25 @@ impl Settings {
 
     /// Exactly [`SETTINGS_BYTES`] bytes.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(SETTINGS_BYTES);
-        b.extend_from_slice(&self.magic.to_le_bytes());
-        b.extend_from_slice(&self.abi_version.to_le_bytes());
-        b.extend_from_slice(&(SETTINGS_BYTES as u32).to_le_bytes());
-        b.extend_from_slice(&self.world.to_le_bytes());
-        b.extend_from_slice(&self.rank.to_le_bytes());
-        b.push(u8::from(self.refused.is_some()));
-        b.push(self.device);
-        b.push(self.fabric);
-        b.push(self.staging);
-        b.extend_from_slice(&self.slot_bytes.to_le_bytes());
-        b.extend_from_slice(&self.dtype_set.to_le_bytes());
         let msg = self.refused.as_deref().unwrap_or("").as_bytes();
         let n = msg.len().min(MESSAGE_BYTES);
-        b.extend_from_slice(&(n as u16).to_le_bytes());
-        b.resize(MESSAGE_AT, 0);
-        b.extend_from_slice(&msg[..n]);
-        b.resize(SETTINGS_BYTES, 0);
-        b
+        Writer::with_capacity(SETTINGS_BYTES)
+            .u32(self.magic)
+            .u32(self.abi_version)
+            .u32(SETTINGS_BYTES as u32)
+            .u32(self.world)
+            .u32(self.rank)
+            .u8(u8::from(self.refused.is_some()))
+            .u8(self.device)
+            .u8(self.fabric)
+            .u8(self.staging)
+            .u64(self.slot_bytes)
+            .u32(self.dtype_set)
+            .u16(n as u16)
+            .pad_to(MESSAGE_AT)
+            .bytes(&msg[..n])
+            .pad_to(SETTINGS_BYTES)
+            .finish()
     }
 
     /// Decodes rank `rank`'s record, checking its framing against rank 0's
@@ -97,8 +99,6 @@ impl Settings {
             ours,
             theirs,
         };
-        let u32_at =
-            |b: &[u8], o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
         if b.len() != SETTINGS_BYTES || first.len() != SETTINGS_BYTES {
             return Err(bad(
                 "settings record size (another arx build?)",
@@ -106,32 +106,37 @@ impl Settings {
                 first.len().to_string(),
             ));
         }
-        for (what, at) in [
-            ("magic (not an arx peer?)", 0),
-            ("ABI version (another arx build?)", 4),
-            ("settings record size (another arx build?)", 8),
-        ] {
-            if u32_at(b, at) != u32_at(first, at) {
-                return Err(bad(
-                    what,
-                    u32_at(b, at).to_string(),
-                    u32_at(first, at).to_string(),
-                ));
+        let (mut r, mut r0) = (Reader::new(b), Reader::new(first));
+        let mut framing = [0u32; 3];
+        for (field, what) in framing.iter_mut().zip([
+            "magic (not an arx peer?)",
+            "ABI version (another arx build?)",
+            "settings record size (another arx build?)",
+        ]) {
+            let (theirs, ours) = (r.u32(), r0.u32());
+            if theirs != ours {
+                return Err(bad(what, theirs.to_string(), ours.to_string()));
             }
+            *field = theirs;
         }
-        let n = (u16::from_le_bytes([b[36], b[37]]) as usize).min(MESSAGE_BYTES);
+        let [magic, abi_version, _size] = framing;
+        let (world, rank) = (r.u32(), r.u32());
+        let [refused, device, fabric, staging] = r.array();
+        let (slot_bytes, dtype_set) = (r.u64(), r.u32());
+        let n = (r.u16() as usize).min(MESSAGE_BYTES);
+        r.skip_to(MESSAGE_AT);
+        let message = r.bytes(n);
         Ok(Settings {
-            magic: u32_at(b, 0),
-            abi_version: u32_at(b, 4),
-            world: u32_at(b, 12),
-            rank: u32_at(b, 16),
-            refused: (b[20] != 0)
-                .then(|| String::from_utf8_lossy(&b[MESSAGE_AT..MESSAGE_AT + n]).into_owned()),
-            device: b[21],
-            fabric: b[22],
-            staging: b[23],
-            slot_bytes: u64::from_le_bytes(b[24..32].try_into().expect("8 bytes")),
-            dtype_set: u32_at(b, 32),
+            magic,
+            abi_version,
+            world,
+            rank,
+            refused: (refused != 0).then(|| String::from_utf8_lossy(message).into_owned()),
+            device,
+            fabric,
+            staging,
+            slot_bytes,
+            dtype_set,
         })
     }
 }
@@ -264,22 +269,21 @@ impl PeerInfo {
 
     /// Encodes to exactly 128 bytes (`PEER_INFO_BYTES`).
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(PEER_INFO_BYTES);
-        b.extend_from_slice(&self.magic.to_le_bytes());
-        b.extend_from_slice(&self.abi_version.to_le_bytes());
-        b.extend_from_slice(&self.world.to_le_bytes());
-        b.extend_from_slice(&self.rank.to_le_bytes());
-        b.extend_from_slice(&self.slot_bytes.to_le_bytes());
-        b.extend_from_slice(&self.dtype_set.to_le_bytes());
-        b.push(self.fabric.code());
-        b.push(self.device);
-        b.extend_from_slice(&[0, 0]);
-        b.extend_from_slice(&self.pid.to_le_bytes());
         let host = self.host.as_bytes();
-        let n = host.len().min(HOST_BYTES);
-        b.extend_from_slice(&host[..n]);
-        b.resize(PEER_INFO_BYTES, 0);
-        b
+        Writer::with_capacity(PEER_INFO_BYTES)
+            .u32(self.magic)
+            .u32(self.abi_version)
+            .u32(self.world)
+            .u32(self.rank)
+            .u64(self.slot_bytes)
+            .u32(self.dtype_set)
+            .u8(self.fabric.code())
+            .u8(self.device)
+            .u16(0)
+            .u32(self.pid)
+            .bytes(&host[..host.len().min(HOST_BYTES)])
+            .pad_to(PEER_INFO_BYTES)
+            .finish()
     }
 
     /// Decodes and checks the framing (length, magic, ABI version) so that a
@@ -298,9 +302,12 @@ impl PeerInfo {
                 PEER_INFO_BYTES.to_string(),
             ));
         }
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
-        let magic = u32_at(0);
+        let mut r = Reader::new(b);
+        let (magic, abi_version, world, rank) = (r.u32(), r.u32(), r.u32(), r.u32());
+        let (slot_bytes, dtype_set) = (r.u64(), r.u32());
+        let [fabric, device, _, _] = r.array();
+        let pid = r.u32();
+        let host_raw: [u8; HOST_BYTES] = r.array();
         if magic != abi::ARX_MAGIC {
             return Err(bad(
                 "magic (not an arx peer?)",
@@ -308,7 +315,6 @@ impl PeerInfo {
                 format!("{:#x}", abi::ARX_MAGIC),
             ));
         }
-        let abi_version = u32_at(4);
         if abi_version != abi::ARX_ABI_VERSION {
             return Err(bad(
                 "ABI version",
@@ -316,20 +322,19 @@ impl PeerInfo {
                 abi::ARX_ABI_VERSION.to_string(),
             ));
         }
-        let fabric = FabricKind::from_code(b[28])
-            .ok_or_else(|| bad("fabric code", b[28].to_string(), "0, 1 or 2".into()))?;
-        let host_raw = &b[36..36 + HOST_BYTES];
+        let fabric = FabricKind::from_code(fabric)
+            .ok_or_else(|| bad("fabric code", fabric.to_string(), "0, 1 or 2".into()))?;
         let end = host_raw.iter().position(|&c| c == 0).unwrap_or(HOST_BYTES);
         Ok(PeerInfo {
             magic,
             abi_version,
-            world: u32_at(8),
-            rank: u32_at(12),
-            slot_bytes: u64_at(16),
-            dtype_set: u32_at(24),
+            world,
+            rank,
+            slot_bytes,
+            dtype_set,
             fabric,
-            device: b[29],
-            pid: u32_at(32),
+            device,
+            pid,
             host: String::from_utf8_lossy(&host_raw[..end]).into_owned(),
         })
     }
@@ -604,6 +609,67 @@ mod tests {
             agree_settings(ok_config(), &all),
             Err(Error::Mismatch { rank: 1, .. })
         ));
+    }
+
+    /// Hex of `b`, for the golden encodings below.
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    /// The records' byte layout is the wire format between builds of one ABI
+    /// version: pinned here (the hex came from the encoders before the shared
+    /// codec), with this build's magic and ABI version spliced in.
+    fn golden(tail: &str) -> String {
+        let mut h = hex(&abi::ARX_MAGIC.to_le_bytes());
+        h += &hex(&abi::ARX_ABI_VERSION.to_le_bytes());
+        h + tail
+    }
+
+    #[test]
+    fn peer_info_layout_is_pinned() {
+        let mut p = info(2);
+        p.host = "node-x".into();
+        p.fabric = FabricKind::Verbs;
+        p.slot_bytes = 0x0102_0304_0506_0708;
+        p.device = 2;
+        let want = golden(
+            &["03000000", "02000000", "0807060504030201", "0e000000", "02", "02", "0000"]
+                .concat(),
+        ) + "94100000" // pid
+            + "6e6f64652d78"
+            + &"00".repeat(PEER_INFO_BYTES - 42);
+        assert_eq!(hex(&p.encode()), want);
+    }
+
+    #[test]
+    fn settings_layout_is_pinned() {
+        let s = Settings {
+            magic: abi::ARX_MAGIC,
+            abi_version: abi::ARX_ABI_VERSION,
+            world: 5,
+            rank: 3,
+            refused: Some("no".into()),
+            device: 1,
+            fabric: 2,
+            staging: 3,
+            slot_bytes: 0x1122_3344_5566_7788,
+            dtype_set: DTYPE_SET,
+        };
+        let want = golden(
+            &[
+                "00010000",
+                "05000000",
+                "03000000",
+                "01010203",
+                "8877665544332211",
+                "0e000000",
+                "0200",
+            ]
+            .concat(),
+        ) + &"00".repeat(MESSAGE_AT - 38)
+            + "6e6f"
+            + &"00".repeat(SETTINGS_BYTES - MESSAGE_AT - 2);
+        assert_eq!(hex(&s.encode()), want);
     }
 
     #[test]

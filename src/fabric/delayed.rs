@@ -83,9 +83,6 @@ impl Fabric for Delayed {
     fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
         self.inner.inject_fault(peer, lane)
     }
-    fn proxy_cpu(&self) -> Option<usize> {
-        self.inner.proxy_cpu()
-    }
     fn needs_collective_close(&self) -> bool {
         self.inner.needs_collective_close()
     }

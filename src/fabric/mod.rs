@@ -50,10 +50,6 @@ pub(crate) trait Fabric: Send {
             ),
         })
     }
-    /// The CPU the topology chose for the proxy thread, if any.
-    fn proxy_cpu(&self) -> Option<usize> {
-        None
-    }
     /// True when tearing down this rank's endpoints could fail a peer's
     /// sends still awaiting acknowledgement (RC queue pairs): the instance
     /// then closes collectively (drain, barrier, destroy).

@@ -1,0 +1,399 @@
+//! The data path: posting a call's writes, reaping completions into the
+//! per-QP ledgers, poisoning peers after a failure, and flushing or kicking
+//! unsignalled tails.
+
+use std::ffi::CStr;
+use std::time::Instant;
+
+use rdma_sys::*;
+
+use super::ledger::{Ledger, MAX_CHAIN};
+use super::qp::{Qp, Rts};
+use super::{errno_text, verbs_err, VerbsFabric, KICK_AFTER, LANES, POLL_BATCH};
+use crate::dtype::POISON_COUNT;
+use crate::error::{Error, Result};
+use crate::fabric::Fabric;
+use crate::layout::{flag_word, Layout};
+use crate::spin::Backoff;
+
+/// Bits of a WR id that hold the QP's WR count; the link index sits above.
+const WR_COUNT_BITS: u32 = 48;
+const WR_COUNT_MASK: u64 = (1 << WR_COUNT_BITS) - 1;
+
+/// One connection: the QP to a peer on one lane, with its send accounting.
+pub(super) struct Link {
+    pub(super) qp: Qp<Rts>,
+    /// Index of the lane's device in `VerbsFabric::devices`.
+    dev: usize,
+    pub(super) ledger: Ledger,
+    /// The last flag written (remote address, word), for a tail flush.
+    last_flag: Option<(u64, u64)>,
+    /// A completion on this QP failed: it is in the error state.
+    broken: bool,
+    /// Last time a completion (or a kick) was seen for this QP.
+    last_progress: Instant,
+}
+
+impl Link {
+    /// `qp`, on device `dev` of the fabric, with nothing posted yet.
+    pub(super) fn new(qp: Qp<Rts>, dev: usize) -> Self {
+        Link {
+            ledger: Ledger::new(qp.depth()),
+            qp,
+            dev,
+            last_flag: None,
+            broken: false,
+            last_progress: Instant::now(),
+        }
+    }
+}
+
+/// A peer's region as seen from one lane's device.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RemoteRegion {
+    pub(super) addr: u64,
+    pub(super) rkey: u32,
+}
+
+/// One WR to be chained: local source (address, length, lkey; INLINE when
+/// lkey is None), remote destination.
+struct Write {
+    local: u64,
+    len: u32,
+    lkey: Option<u32>,
+    remote: u64,
+    rkey: u32,
+}
+
+impl VerbsFabric {
+    /// Posts call `seq` to every peer (see [`Fabric::post`]).
+    pub(super) fn post_all(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
+        let p = (seq & 1) as usize;
+        let me = self.layout.rank();
+        let src = self.base + self.layout.send_offset(p) as u64;
+        let dst_data = self.layout.recv_offset(p, me) as u64;
+        let layout = self.layout;
+        for q in layout.peers() {
+            for lane in 0..LANES {
+                let i = self.link_index[q * LANES + lane];
+                let rr = self.remote[q * LANES + lane];
+                let part = Layout::lane_range(bytes, lane);
+                let flag_remote = rr.addr + self.layout.flag_offset(p, me, lane) as u64;
+                let lkey = self.devices[self.lane_dev[lane]].mr.lkey();
+                let data = Write {
+                    local: src + part.start as u64,
+                    len: part.len() as u32,
+                    lkey: Some(lkey),
+                    remote: rr.addr + dst_data + part.start as u64,
+                    rkey: rr.rkey,
+                };
+                // INLINE: the word is copied when posted; `flag` is a value.
+                let flag_wr = Write {
+                    local: &flag as *const u64 as u64,
+                    len: 8,
+                    lkey: None,
+                    remote: flag_remote,
+                    rkey: rr.rkey,
+                };
+                let each = self.signal_each_call;
+                if part.is_empty() {
+                    self.reserve(i, 1)?;
+                    self.post_chain(i, &[flag_wr], each, Some(seq))?;
+                } else {
+                    self.reserve(i, 2)?;
+                    self.post_chain(i, &[data, flag_wr], each, Some(seq))?;
+                }
+                self.links[i].last_flag = Some((flag_remote, flag));
+            }
+        }
+        self.last_seq = seq;
+        self.last_post = Instant::now();
+        Ok(())
+    }
+
+    /// Records the first failure and tells every peer still reachable
+    /// (poisoned flags for `seq` and `seq + 1`), so they fail at once naming
+    /// this rank instead of timing out.
+    pub(super) fn fail(&mut self, e: Error, seq: u64) -> Error {
+        if self.failed.is_none() {
+            self.failed = Some(e.clone());
+            self.poison(seq);
+        }
+        e
+    }
+
+    fn device_name(&self, link: &Link) -> &str {
+        &self.devices[link.dev].ctx.name
+    }
+
+    /// Room for `n` more WRs on link `i`, polling (bounded) while it is full.
+    fn reserve(&mut self, i: usize, n: u64) -> Result<()> {
+        if self.links[i].ledger.has_room(n) {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut backoff = Backoff::new(crate::config::SpinMode::Adaptive, 1000);
+        loop {
+            self.progress()?;
+            let link = &self.links[i];
+            if link.ledger.has_room(n) {
+                return Ok(());
+            }
+            if start.elapsed() > self.timeout {
+                return Err(Error::Timeout {
+                    during: "verbs send queue (waiting for completions)",
+                    waited: start.elapsed(),
+                    detail: format!(
+                        "device {}, peer {}, lane {}: {} WRs outstanding of {}; the peer's NIC does not acknowledge",
+                        self.device_name(link),
+                        link.qp.peer(),
+                        link.qp.lane(),
+                        link.ledger.outstanding(),
+                        link.ledger.depth()
+                    ),
+                });
+            }
+            backoff.idle();
+        }
+    }
+
+    /// Posts `writes` as one chain on link `i` (room must be reserved).
+    /// `signal_last` signals the last WR whatever the count; the chain's
+    /// last WR completes call `seq` on this QP (None: a chain that completes
+    /// no new call, see [`Ledger::commit`]).
+    fn post_chain(
+        &mut self,
+        i: usize,
+        writes: &[Write],
+        signal_last: bool,
+        seq: Option<u64>,
+    ) -> Result<()> {
+        debug_assert!(!writes.is_empty() && writes.len() <= MAX_CHAIN);
+        // SAFETY: ibv_sge and ibv_send_wr are plain old data.
+        let mut sges: [ibv_sge; MAX_CHAIN] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let mut wrs: [ibv_send_wr; MAX_CHAIN] = unsafe { std::mem::zeroed() };
+        let link = &mut self.links[i];
+        if link.ledger.outstanding() == 0 {
+            // The stall clock starts when the QP stops being idle.
+            link.last_progress = Instant::now();
+        }
+        let n = writes.len().min(MAX_CHAIN);
+        if n == 0 {
+            return Ok(());
+        }
+        let plan = link.ledger.plan(n, signal_last);
+        for (k, w) in writes.iter().take(n).enumerate() {
+            let count = link.ledger.posted() + k as u64 + 1;
+            sges[k] = ibv_sge {
+                addr: w.local,
+                length: w.len,
+                lkey: w.lkey.unwrap_or(0),
+            };
+            let wr = &mut wrs[k];
+            wr.wr_id = ((i as u64) << WR_COUNT_BITS) | (count & WR_COUNT_MASK);
+            wr.sg_list = &mut sges[k];
+            wr.num_sge = 1;
+            wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            let mut flags = 0;
+            if w.lkey.is_none() {
+                flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+            }
+            if plan & (1 << k) != 0 {
+                flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+            }
+            wr.send_flags = flags;
+            wr.wr.rdma = rdma_t {
+                remote_addr: w.remote,
+                rkey: w.rkey,
+            };
+        }
+        for k in 0..n - 1 {
+            let next: *mut ibv_send_wr = &mut wrs[k + 1];
+            wrs[k].next = next;
+        }
+        // SAFETY: the chain and its SGEs live on this stack frame for the
+        // duration of the call, the last WR's `next` is null (zeroed); INLINE
+        // data is copied at post time; the other SGEs point into our region,
+        // registered on the QP's PD (the device's MR, which outlives the QP
+        // and keeps the region mapped).
+        let posted = unsafe { link.qp.post_send(wrs.as_mut_ptr()) };
+        if let Err((rc, bad)) = posted {
+            // The WRs before `bad` were posted (they will complete, or be
+            // flushed, and must be counted); the provider refused the rest
+            // (e.g. the QP is in error): later posts must not use this QP,
+            // the poison goes through another.
+            let accepted = wrs[..n]
+                .iter()
+                .position(|w| std::ptr::eq(w, bad))
+                .unwrap_or(0);
+            link.ledger.commit(accepted, n, plan, seq);
+            link.broken = true;
+            let (peer, lane) = (link.qp.peer(), link.qp.lane());
+            return Err(verbs_err(
+                "ibv_post_send",
+                &self.devices[link.dev].ctx.name,
+                Some(peer),
+                Some(lane),
+                format!("{} (WR {accepted} of a chain of {n})", errno_text(rc)),
+            ));
+        }
+        link.ledger.commit(n, n, plan, seq);
+        if link.ledger.has_tail() {
+            self.tail = true;
+        }
+        Ok(())
+    }
+
+    /// Polls every CQ dry and retires the completed WRs in their links'
+    /// ledgers, failed and flushed ones included (each is then no longer
+    /// outstanding). Returns the first failed completion.
+    pub(super) fn reap(&mut self) -> Result<()> {
+        // SAFETY: ibv_wc is plain old data.
+        let mut wcs: [ibv_wc; POLL_BATCH] = unsafe { std::mem::zeroed() };
+        let mut first_err: Option<Error> = None;
+        let mut now_cached: Option<Instant> = None;
+        for d in 0..self.devices.len() {
+            loop {
+                let n = match self.devices[d].cq.poll(&mut wcs) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        break;
+                    }
+                };
+                for wc in &wcs[..n] {
+                    let i = (wc.wr_id >> WR_COUNT_BITS) as usize;
+                    let Some(link) = self.links.get_mut(i) else {
+                        continue;
+                    };
+                    // Counts below 2^48 per QP: the low bits are the count.
+                    link.ledger.complete(wc.wr_id & WR_COUNT_MASK);
+                    if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+                        link.last_progress = *now_cached.get_or_insert_with(Instant::now);
+                        continue;
+                    }
+                    link.broken = true;
+                    if first_err.is_some() {
+                        continue;
+                    }
+                    // SAFETY: ibv_wc_status_str returns a static string.
+                    let status = unsafe { CStr::from_ptr(ibv_wc_status_str(wc.status)) }
+                        .to_string_lossy()
+                        .into_owned();
+                    let (peer, lane, dev) = (link.qp.peer(), link.qp.lane(), link.dev);
+                    first_err = Some(verbs_err(
+                        "completion",
+                        &self.devices[dev].ctx.name,
+                        Some(peer),
+                        Some(lane),
+                        format!(
+                            "{status} (status {}, vendor error {:#x}, WR {} of this QP); \
+                             is peer {peer} alive and its link up?",
+                            wc.status,
+                            wc.vendor_err,
+                            wc.wr_id & WR_COUNT_MASK
+                        ),
+                    ));
+                }
+                if n < POLL_BATCH {
+                    break;
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Writes poisoned flags for `seq` and `seq + 1` into every peer this
+    /// rank can still reach, so that peers waiting on it fail at once.
+    fn poison(&mut self, seq: u64) {
+        let me = self.layout.rank();
+        let layout = self.layout;
+        for q in layout.peers() {
+            // Any healthy QP to q can write every flag of ours there: its
+            // device's rkey covers the whole region.
+            let Some(lane) =
+                (0..LANES).find(|&l| !self.links[self.link_index[q * LANES + l]].broken)
+            else {
+                continue;
+            };
+            let i = self.link_index[q * LANES + lane];
+            let rr = self.remote[q * LANES + lane];
+            let words: Vec<(u64, u64)> = [seq, seq + 1]
+                .iter()
+                .flat_map(|&s| {
+                    let p = (s & 1) as usize;
+                    let word = flag_word(s, crate::abi::ARX_DTYPE_INVALID, POISON_COUNT);
+                    (0..LANES).map(move |l| (p, l, word)).collect::<Vec<_>>()
+                })
+                .map(|(p, l, word)| (rr.addr + self.layout.flag_offset(p, me, l) as u64, word))
+                .collect();
+            if !self.links[i].ledger.has_room(words.len() as u64) {
+                continue;
+            }
+            let writes: Vec<Write> = words
+                .iter()
+                .map(|(remote, word)| Write {
+                    local: word as *const u64 as u64,
+                    len: 8,
+                    lkey: None,
+                    remote: *remote,
+                    rkey: rr.rkey,
+                })
+                .collect();
+            if let Err(e) = self.post_chain(i, &writes, true, None) {
+                log::warn!("arx verbs: could not tell peer {q} about the failure: {e}");
+            }
+        }
+    }
+
+    /// Re-writes each QP's last flag, signalled, so that an unsignalled tail
+    /// completes observably (or, with `stalled`, so that a QP whose WRs have
+    /// not completed for [`KICK_AFTER`] is kicked). Idempotent at the peer:
+    /// the same word again, ordered after the original on the same QP.
+    pub(super) fn flush_tails(&mut self, stalled: bool) -> Result<()> {
+        let now = Instant::now();
+        if !stalled {
+            self.tail = false;
+        }
+        for i in 0..self.links.len() {
+            let link = &mut self.links[i];
+            if link.broken || !link.ledger.has_room(1) {
+                continue;
+            }
+            if stalled {
+                if link.ledger.outstanding() == 0 || now - link.last_progress < KICK_AFTER {
+                    continue;
+                }
+                log::debug!(
+                    "arx verbs: peer {} lane {}: {} WRs outstanding for {:?}; kicking",
+                    link.qp.peer(),
+                    link.qp.lane(),
+                    link.ledger.outstanding(),
+                    now - link.last_progress
+                );
+                link.last_progress = now;
+            } else if !link.ledger.has_tail() {
+                continue;
+            }
+            let link = &self.links[i];
+            let Some((remote, word)) = link.last_flag else {
+                continue;
+            };
+            let rkey = self.remote[link.qp.peer() * LANES + link.qp.lane()].rkey;
+            self.post_chain(
+                i,
+                &[Write {
+                    local: &word as *const u64 as u64,
+                    len: 8,
+                    lkey: None,
+                    remote,
+                    rkey,
+                }],
+                true,
+                None,
+            )?;
+        }
+        Ok(())
+    }
+}
