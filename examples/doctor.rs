@@ -1,23 +1,30 @@
 //! `doctor`: what arx finds on this node, what it chooses and why, then a
-//! short validated all-reduce. Exits non-zero, saying what to fix, on any
-//! problem. Run it on every node of a job:
+//! short validated all-reduce with its time. Exits non-zero, saying what to
+//! fix, on any problem. Run it on every node of a job:
 //!
 //! ```sh
 //! mpirun -n 2 -H spark1:1,spark2:1 target/release/examples/doctor
 //! ```
 //!
-//! Each rank prints its own report, every line prefixed `[rank r]`.
+//! Each rank prints its own report, every line prefixed `[rank r]`. What it
+//! shows comes from the library itself: the topology report
+//! (`arx::topology::report`: devices, PCIe links, ports, GIDs, MTU, the lane
+//! choice), this rank's proxy core (`arx::topology::select_from` for its
+//! place on the node), what libibverbs lists, the locked-memory limit judged
+//! by `arx::topology::check_memlock`, the GPU probe `arx::gpu_available`, and
+//! calls checked against the independent reference of `arx::verify`.
 
 use std::fmt::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
-use arx::topology::{LocalRank, ThreadCpus};
-use arx::{Arx, Config, Element};
-use clap::Parser;
+use arx::topology::{self, HwlocSource, LocalRank, ThreadCpus};
+use arx::{verify, Arx, Config, Element, FabricKind};
+use clap::{Parser, ValueEnum};
 use half::{bf16, f16};
+use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
-use rand::{Rng, SeedableRng};
 
 #[derive(Parser, Debug, Clone)]
 #[command(about = "Checks what arx needs on this node and runs a validated all-reduce")]
@@ -25,9 +32,9 @@ struct Args {
     /// Elements per all-reduce (capped at what one slot holds).
     #[arg(long, default_value_t = 65536)]
     count: usize,
-    /// Element type: f32, bf16 or f16.
-    #[arg(long, default_value = "bf16")]
-    dtype: String,
+    /// Element type.
+    #[arg(long, value_enum, default_value_t = DtypeArg::Bf16)]
+    dtype: DtypeArg,
     /// Validated calls to run.
     #[arg(long, default_value_t = 4)]
     iters: usize,
@@ -37,116 +44,22 @@ struct Args {
     /// Only report; skip the all-reduce.
     #[arg(long)]
     no_allreduce: bool,
-    /// Fault drill (for CI): after one good call, this rank drops its
-    /// instance; every other rank's next call must fail within the timeout.
-    #[arg(long, hide = true)]
-    fault_drill: Option<usize>,
-    /// Fault drill (for CI): after one good call, this rank breaks its
-    /// lane-0 queue pair to rank 0 (or to rank 1 if it is rank 0); within
-    /// its next two calls it must fail with a verbs error, and every other
-    /// rank must fail naming it (poisoned flags), quickly, not by a timeout.
-    /// (A call whose inputs had all arrived before the failure was known
-    /// returns its correct result; the failure comes with the next call.)
-    #[arg(long, hide = true)]
-    break_qp_drill: Option<usize>,
 }
 
-/// The drills' start: an instance and one checked call of `n` floats.
-fn after_one_good_call(
-    world: &mpi::topology::SimpleCommunicator,
-    args: &Args,
-) -> Result<(Arx, usize), String> {
-    let mut arx = Arx::new(world).map_err(|e| format!("set-up failed: {e}"))?;
-    let n = 4096usize.min(arx.max_count::<f32>());
-    let one = Args {
-        iters: 1,
-        ..args.clone()
-    };
-    let wrong = check::<f32>(&mut arx, &one, n, f32::NAN)
-        .map_err(|e| format!("the good call failed: {e}"))?;
-    if wrong != 0 {
-        return Err(format!("the good call had {wrong} wrong elements"));
-    }
-    Ok((arx, n))
+#[derive(ValueEnum, Debug, Clone, Copy)]
+enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
 }
 
-/// The fault drill: one good call, then rank `leaver` drops its instance
-/// (which closes collectively: it waits, bounded, for the others) and the
-/// others call again. Passes when every other rank gets an error — a
-/// timeout naming the leaver, or a fabric error — within the timeout (plus
-/// slack for a slow machine), instead of hanging.
-fn fault_drill(
-    world: &mpi::topology::SimpleCommunicator,
-    args: &Args,
-    leaver: usize,
-) -> Result<String, String> {
-    let (mut arx, n) = after_one_good_call(world, args)?;
-    let me = arx.rank();
-    if me == leaver {
-        drop(arx);
-        return Ok("left after one good call".into());
-    }
-    let timeout = arx.config().timeout;
-    let start = std::time::Instant::now();
-    let input = vec![1.0f32; n];
-    let mut out = vec![f32::NAN; n];
-    match arx.allreduce_host(&input, &mut out) {
-        Ok(()) => Err(format!("the call after rank {leaver} left succeeded")),
-        Err(e) if start.elapsed() < timeout + std::time::Duration::from_secs(10) => Ok(format!(
-            "failed within the bound as it should, after {:?} (timeout {timeout:?}): {e}",
-            start.elapsed()
-        )),
-        Err(e) => Err(format!(
-            "failed only after {:?} (timeout {timeout:?}): {e}",
-            start.elapsed()
-        )),
-    }
-}
-
-/// The QP drill: one good call, then rank `breaker` puts one of its queue
-/// pairs into the error state and every rank calls again.
-fn break_qp_drill(
-    world: &mpi::topology::SimpleCommunicator,
-    args: &Args,
-    breaker: usize,
-) -> Result<String, String> {
-    let (mut arx, n) = after_one_good_call(world, args)?;
-    let me = arx.rank();
-    let victim = if breaker == 0 { 1 } else { 0 };
-    if me == breaker {
-        arx.inject_fault(victim, 0)
-            .map_err(|e| format!("could not break the QP: {e}"))?;
-    }
-    let timeout = arx.config().timeout;
-    let start = std::time::Instant::now();
-    let input = vec![1.0f32; n];
-    let mut out = vec![f32::NAN; n];
-    let mut r = arx.allreduce_host(&input, &mut out);
-    if r.is_ok() {
-        // A rank whose inputs had all arrived before the failure was known
-        // holds a correct result for this call (the breaker: every peer's
-        // partial came before its own failed send completed; another rank:
-        // the breaker's sends to it went out before the broken one). The
-        // failure must then come with its next call.
-        r = arx.allreduce_host(&input, &mut out);
-    }
-    let took = start.elapsed();
-    let fast = took < timeout / 2;
-    match r {
-        Ok(()) => Err("the calls after the QP broke succeeded".into()),
-        Err(e @ arx::Error::Verbs { .. }) if me == breaker && fast => {
-            Ok(format!("failed at once as it should, after {took:?}: {e}"))
-        }
-        Err(e @ arx::Error::CallMismatch { .. })
-            if me != breaker && fast && e.to_string().contains("fabric failed") =>
-        {
-            Ok(format!(
-                "told by rank {breaker} at once, after {took:?}: {e}"
-            ))
-        }
-        Err(e) => Err(format!(
-            "unexpected outcome after {took:?} (timeout {timeout:?}): {e}"
-        )),
+impl std::fmt::Display for DtypeArg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DtypeArg::F32 => "f32",
+            DtypeArg::Bf16 => "bf16",
+            DtypeArg::F16 => "f16",
+        })
     }
 }
 
@@ -168,186 +81,254 @@ impl Report {
     }
 }
 
-fn read(p: impl AsRef<Path>) -> Option<String> {
-    std::fs::read_to_string(p)
-        .ok()
-        .map(|s| s.trim().to_string())
+fn bytes(b: u64) -> String {
+    match b {
+        u64::MAX => "unlimited".into(),
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{} KiB", b >> 10),
+    }
 }
 
-/// `Max locked memory` from /proc/self/limits, and whether CAP_IPC_LOCK
-/// lifts it.
-fn memlock(r: &mut Report) {
-    let limits = read("/proc/self/limits").unwrap_or_default();
-    let line = limits
-        .lines()
-        .find(|l| l.starts_with("Max locked memory"))
-        .unwrap_or("Max locked memory ? ? bytes")
-        .to_string();
-    let soft = line.split_whitespace().nth(3).unwrap_or("?").to_string();
-    let cap = read("/proc/self/status")
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .is_some_and(|c| c & (1 << 14) != 0);
+/// This rank's place on its node, learnt from the ranks sharing the node
+/// (and its memory). Main threads bound to one CPU each are left to them,
+/// as arx does when it picks proxy cores.
+fn local_rank(world: &SimpleCommunicator, rank: usize) -> LocalRank {
+    let node = world.split_shared(rank as i32);
+    let sole = ThreadCpus::of_current_thread()
+        .sole_cpu()
+        .map_or(u64::MAX, |c| c as u64);
+    let mut mains = vec![0u64; node.size() as usize];
+    node.all_gather_into(&sole, &mut mains[..]);
+    LocalRank {
+        index: node.rank() as usize,
+        count: node.size() as usize,
+        main_cpus: mains
+            .iter()
+            .filter(|&&c| c != u64::MAX)
+            .map(|&c| c as usize)
+            .collect(),
+    }
+}
+
+/// The lanes' port states and this rank's proxy core (it depends on the
+/// rank's place on its node, which the topology report cannot know).
+/// Returns whether lanes were found, and the selection error, if any (a
+/// problem only where the job uses the Verbs fabric).
+fn this_rank(r: &mut Report, cfg: &Config, local: &LocalRank) -> (bool, Option<String>) {
+    let disc = match topology::discover_in(Path::new("/"), HwlocSource::Live) {
+        Ok(d) => d,
+        Err(e) => return (false, Some(format!("RDMA discovery failed: {e}"))),
+    };
+    let sel = match topology::select_from(&disc, cfg, &ThreadCpus::of_current_thread(), local) {
+        Ok(s) => s,
+        Err(e) => {
+            return (
+                false,
+                Some(format!(
+                    "RDMA device selection failed: {e} (set ARX_DEVICES=dev0,dev1 and ARX_GID_INDEX to override)"
+                )),
+            )
+        }
+    };
+    for (l, d) in sel.lanes.iter().enumerate() {
+        let port = disc
+            .devices
+            .iter()
+            .find(|x| x.name == d.name)
+            .and_then(|x| x.ports.iter().find(|p| p.port == d.port));
+        match port {
+            Some(p) if p.is_active() => {}
+            Some(p) => r.problem(format!(
+                "lane {l} device {} port {} is {} / {}: bring the link up (cable, switch port, `ip link set {} up`)",
+                d.name, d.port, p.state, p.phys_state, d.netdev
+            )),
+            None => r.problem(format!(
+                "lane {l} device {} port {} is not among the discovered ports",
+                d.name, d.port
+            )),
+        }
+    }
+    if sel.lanes.len() == 2 && sel.lanes[0].root == sel.lanes[1].root {
+        r.line("note: both lanes share one PCIe root (about half the bandwidth of a Spark)");
+    }
     r.line(format!(
-        "locked memory (RLIMIT_MEMLOCK): {soft}{}",
-        if cap {
-            " (CAP_IPC_LOCK: not enforced)"
-        } else {
-            ""
-        }
+        "proxy core: {}, for local rank {} of {} on this node",
+        sel.proxy_cpu
+            .map_or("not pinned".to_string(), |c| format!("CPU {c}")),
+        local.index,
+        local.count
     ));
-    if soft != "unlimited" && !cap {
-        let bytes: u64 = soft.parse().unwrap_or(0);
-        if bytes < 64 << 20 {
-            r.problem(format!(
-                "RLIMIT_MEMLOCK is {soft} bytes: registering the region can fail; run with `ulimit -l unlimited` (docker: --ulimit memlock=-1)"
-            ));
+    if let Some(why) = sel.notes.iter().find(|n| n.starts_with("proxy CPU")) {
+        r.line(format!("  because: {why}"));
+    }
+    (!sel.single_device(), None)
+}
+
+/// What libibverbs lists (sysfs may show devices it cannot open).
+fn libibverbs(r: &mut Report, verbs: bool) {
+    match topology::ibv_devices() {
+        Ok(names) if !names.is_empty() => {
+            r.line(format!("libibverbs lists: {}", names.join(", ")))
         }
+        Ok(_) if verbs => r.problem(
+            "libibverbs lists no RDMA device: install the NIC's user-space provider (rdma-core / ibverbs-providers) and, in a container, pass /dev/infiniband",
+        ),
+        Ok(_) => r.line("libibverbs lists no RDMA device (the shm fabric needs none)"),
+        Err(e) if verbs => r.problem(format!("{e}")),
+        Err(e) => r.line(format!("libibverbs: {e} (the shm fabric needs none)")),
     }
 }
 
-/// CUDA driver and devices, without ever touching a missing libcuda.
-fn cuda(r: &mut Report) {
-    use cudarc::driver::{result, sys};
-    // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
-    if !unsafe { sys::is_culib_present() } {
-        r.line("CUDA: libcuda not found (the GPU device side is unavailable; the host side works)");
-        return;
-    }
-    if let Err(e) = result::init() {
+/// The locked-memory limit, judged by arx's own check against what this
+/// job's instance will register (per lane device) on the Verbs fabric.
+fn memlock(r: &mut Report, cfg: &Config, world: usize, devices: usize, verbs: bool) {
+    let limits = match topology::memlock_limits() {
+        Ok((soft, hard)) => format!("soft {}, hard {}", bytes(soft), bytes(hard)),
+        Err(e) => {
+            r.problem(format!("{e}"));
+            return;
+        }
+    };
+    if !verbs {
         r.line(format!(
-            "CUDA: libcuda present but cuInit failed: {e} (no GPU, or the driver is not loaded)"
+            "locked memory (RLIMIT_MEMLOCK): {limits}; the shm fabric registers nothing"
         ));
         return;
     }
+    let needed = topology::memlock_needed(cfg.slot_bytes, world).saturating_mul(devices.max(1));
+    r.line(format!(
+        "locked memory (RLIMIT_MEMLOCK): {limits}; this job registers about {} a rank",
+        bytes(needed as u64)
+    ));
+    if let Err(e) = topology::check_memlock(needed) {
+        r.problem(format!("{e}"));
+    }
+}
+
+/// CUDA: arx's own probe (libcuda and libnvrtc loadable, a device visible),
+/// then what each device is.
+fn cuda(r: &mut Report) {
+    use arx::cudarc::driver::{result, sys};
+    let n = match arx::gpu_available() {
+        Ok(n) => n,
+        Err(e) => {
+            r.line(format!("CUDA: {e} (the host device side works)"));
+            return;
+        }
+    };
     let mut version = 0;
-    // SAFETY: writes one int.
+    // SAFETY: libcuda is loaded and initialised (gpu_available); the call
+    // writes one int.
     let _ = unsafe { sys::cuDriverGetVersion(&mut version) };
-    let n = result::device::get_count().unwrap_or(0);
     r.line(format!(
         "CUDA: driver API {}.{}, {n} device(s)",
         version / 1000,
         (version % 1000) / 10
     ));
-    for i in 0..n {
-        if let Ok(d) = result::device::get(i) {
-            r.line(format!(
-                "  device {i}: {}",
-                result::device::get_name(d).unwrap_or_default()
-            ));
-        }
+    for i in 0..n as i32 {
+        let Ok(d) = result::device::get(i) else {
+            continue;
+        };
+        let attr = |a| {
+            // SAFETY: `d` is a valid device handle of an initialised driver.
+            unsafe { result::device::get_attribute(d, a) }.unwrap_or(-1)
+        };
+        use sys::CUdevice_attribute::*;
+        r.line(format!(
+            "  device {i}: {}, compute capability {}.{}, {} SMs{}",
+            result::device::get_name(d).unwrap_or_default(),
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            if attr(CU_DEVICE_ATTRIBUTE_INTEGRATED) == 1 {
+                ", integrated (shares host memory)"
+            } else {
+                ""
+            }
+        ));
     }
 }
 
-/// Prints the selection for this rank's place on its node (which decides
-/// its proxy core); returns the selection error, if any (a problem unless
-/// the job turns out to run on the shm fabric).
-fn selection(r: &mut Report, cfg: &Config, local: &LocalRank) -> Option<String> {
-    match arx::topology::select(cfg, local) {
-        Ok(sel) => {
-            r.line("chosen lanes:");
-            for (l, d) in sel.lanes.iter().enumerate() {
-                let state = read(format!(
-                    "/sys/class/infiniband/{}/ports/{}/state",
-                    d.name, d.port
-                ))
-                .unwrap_or_else(|| "?".into());
-                r.line(format!(
-                    "  lane {l}: {} port {} ({state}), root {}, PCI {}, netdev {}, GID[{}] {}, active MTU {}",
-                    d.name,
-                    d.port,
-                    d.root,
-                    d.pci.as_deref().unwrap_or("-"),
-                    d.netdev,
-                    d.gid_index,
-                    std::net::Ipv6Addr::from(d.gid),
-                    d.active_mtu
-                ));
-                if !state.contains("ACTIVE") {
-                    r.problem(format!(
-                        "lane {l} device {} port {} is {state}: bring the link up (cable, switch port, `ip link set <netdev> up`)",
-                        d.name, d.port
-                    ));
-                }
-            }
-            if sel.lanes.len() == 2 && sel.lanes[0].root == sel.lanes[1].root {
-                r.line(
-                    "  note: both lanes share one PCIe root (about half the bandwidth of a Spark)",
-                );
-            }
-            r.line(format!(
-                "proxy core: {}, for local rank {} of {} on this node",
-                sel.proxy_cpu
-                    .map_or("not pinned".to_string(), |c| format!("CPU {c}")),
-                local.index,
-                local.count
-            ));
-            if let Some(why) = sel.notes.iter().find(|n| n.starts_with("proxy CPU")) {
-                r.line(format!("  because: {why}"));
-            }
-            for n in sel.notes.iter().filter(|n| !n.starts_with("proxy CPU")) {
-                r.line(format!("  why: {n}"));
-            }
-            for w in sel.warnings() {
-                r.line(format!("  {w}"));
-            }
-            None
-        }
-        Err(e) => {
-            r.line(format!("chosen lanes: none: {e}"));
-            Some(format!(
-                "RDMA device selection failed: {e} (set ARX_DEVICES=dev0,dev1 and ARX_GID_INDEX to override)"
-            ))
-        }
-    }
+/// What the validated calls found on this rank.
+struct Outcome {
+    /// Device side and fabric.
+    desc: String,
+    fabric: &'static str,
+    count: usize,
+    setup: Duration,
+    /// Each call's time.
+    times: Vec<Duration>,
+    /// Wrong elements over all calls, and the first one's description.
+    wrong: usize,
+    first_wrong: Option<String>,
+    /// Digest of every call's result, folded.
+    digest: u64,
 }
 
-/// Rank `r`'s input of call `iter`: uniform in [-1, 1), rounded to `T`.
-fn input<T: Element>(seed: u64, r: usize, iter: usize, n: usize) -> Vec<T> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(
-        seed ^ (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((iter as u64) << 48),
-    );
-    (0..n)
-        .map(|_| T::from_f32(rng.gen_range(-1.0f32..1.0)))
-        .collect()
-}
-
-/// Runs `iters` validated calls; returns the number of wrong elements.
-fn check<T: Element + PartialEq>(
-    arx: &mut Arx,
-    args: &Args,
-    n: usize,
-    poison: T,
-) -> arx::Result<usize> {
+/// Runs `iters` calls on seeded inputs (`arx::verify::input`, call numbers
+/// 1, 2, …), each output poisoned first and checked bit for bit against
+/// `arx::verify::expected`; times each call from a common start.
+fn run_calls<T: Element>(arx: &mut Arx, args: &Args, count: usize) -> arx::Result<Outcome> {
     let (me, world) = (arx.rank(), arx.world());
-    let mut wrong = 0;
-    for iter in 0..args.iters {
-        let inputs: Vec<Vec<T>> = (0..world)
-            .map(|r| input::<T>(args.seed, r, iter, n))
-            .collect();
-        // The arx rule, computed here independently: f32 accumulator, rank
-        // order, one rounding.
-        let expected: Vec<T> = (0..n)
-            .map(|i| {
-                let mut acc = 0.0f32;
-                for inp in &inputs {
-                    acc += inp[i].to_f32();
-                }
-                T::from_f32(acc)
-            })
-            .collect();
-        let mut out = vec![poison; n];
-        arx.allreduce_host(&inputs[me], &mut out)?;
-        wrong += out
-            .iter()
-            .zip(&expected)
-            .filter(|(a, b)| bytemuck::bytes_of(*a) != bytemuck::bytes_of(*b))
-            .count();
+    let count = count.min(arx.max_count::<T>());
+    let mut out = vec![T::from_f32(0.0); count];
+    let mut o = Outcome {
+        desc: String::new(),
+        fabric: "",
+        count,
+        setup: Duration::ZERO,
+        times: Vec::new(),
+        wrong: 0,
+        first_wrong: None,
+        digest: 0,
+    };
+    for call in 1..=args.iters as u64 {
+        let input = verify::input::<T>(args.seed, call, me, count);
+        let want = verify::expected::<T>(args.seed, call, world, count);
+        verify::poison(&mut out);
+        // Start together, so that a call's time is not a peer's reference
+        // computation (the barrier is arx's, bounded by the call timeout).
+        arx.barrier()?;
+        let t = Instant::now();
+        arx.allreduce_host(&input, &mut out)?;
+        o.times.push(t.elapsed());
+        let wrong = verify::count_wrong(&out, &want);
+        if wrong > 0 && o.first_wrong.is_none() {
+            let i = verify::first_wrong(&out, &want).unwrap_or(0);
+            o.first_wrong = Some(format!(
+                "call {call}, element {i}: got {} want {}",
+                verify::value_of(&out[i]),
+                verify::value_of(&want[i])
+            ));
+        }
+        o.wrong += wrong;
+        o.digest = o.digest.rotate_left(7) ^ verify::digest(&out);
     }
-    Ok(wrong)
+    Ok(o)
+}
+
+fn allreduce(world: &SimpleCommunicator, args: &Args) -> arx::Result<Outcome> {
+    let t = Instant::now();
+    let mut arx = Arx::new(world)?;
+    let setup = t.elapsed();
+    let mut o = match args.dtype {
+        DtypeArg::F32 => run_calls::<f32>(&mut arx, args, args.count)?,
+        DtypeArg::Bf16 => run_calls::<bf16>(&mut arx, args, args.count)?,
+        DtypeArg::F16 => run_calls::<f16>(&mut arx, args, args.count)?,
+    };
+    let d = arx.describe();
+    o.desc = format!(
+        "{} device side, {} fabric: {}",
+        d.device, d.fabric, d.fabric_detail
+    );
+    o.fabric = d.fabric;
+    o.setup = setup;
+    Ok(o)
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.1} us", d.as_secs_f64() * 1e6)
 }
 
 fn main() -> ExitCode {
@@ -360,30 +341,6 @@ fn main() -> ExitCode {
     let world = universe.world();
     let rank = world.rank() as usize;
     let n = world.size() as usize;
-    if let Some(breaker) = args.break_qp_drill {
-        return match break_qp_drill(&world, &args, breaker) {
-            Ok(m) => {
-                println!("[rank {rank}] QP drill: {m}");
-                ExitCode::SUCCESS
-            }
-            Err(m) => {
-                println!("[rank {rank}] QP drill: PROBLEM: {m}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    if let Some(leaver) = args.fault_drill {
-        return match fault_drill(&world, &args, leaver) {
-            Ok(m) => {
-                println!("[rank {rank}] fault drill: {m}");
-                ExitCode::SUCCESS
-            }
-            Err(m) => {
-                println!("[rank {rank}] fault drill: PROBLEM: {m}");
-                ExitCode::FAILURE
-            }
-        };
-    }
     let mut r = Report::default();
     let host = mpi::environment::processor_name().unwrap_or_default();
     r.line(format!("arx doctor, rank {rank} of {n} on {host}"));
@@ -396,7 +353,7 @@ fn main() -> ExitCode {
             .next()
             .unwrap_or("?")
     ));
-
+    let local = local_rank(&world, rank);
     let cfg = match Config::from_env() {
         Ok(c) => {
             r.line(format!(
@@ -410,71 +367,90 @@ fn main() -> ExitCode {
             None
         }
     };
-    // Topology's own report: devices, roots, ports, GIDs, PCIe links, CPUs.
-    for l in arx::topology::report().lines() {
+    // As arx decides at start-up: shm when every rank shares this node.
+    let mut verbs = match cfg.as_ref().map(|c| c.fabric) {
+        Some(FabricKind::Shm) => false,
+        Some(FabricKind::Verbs) => true,
+        _ => local.count < n,
+    };
+    r.line(format!(
+        "node: {} of this job's {n} rank(s) here; fabric: {}",
+        local.count,
+        if verbs {
+            "verbs (RDMA)"
+        } else {
+            "shm (every rank on this node)"
+        }
+    ));
+    for l in topology::report().lines() {
         r.line(format!("topology: {l}"));
     }
-    // The ranks sharing this node (and its memory): each rank's proxy gets
-    // its own core among them.
-    // Main threads bound to one CPU each are left to them, as arx does.
-    let node = world.split_shared(rank as i32);
-    let sole = ThreadCpus::of_current_thread()
-        .sole_cpu()
-        .map_or(u64::MAX, |c| c as u64);
-    let mut mains = vec![0u64; node.size() as usize];
-    node.all_gather_into(&sole, &mut mains[..]);
-    let local = LocalRank {
-        index: node.rank() as usize,
-        count: node.size() as usize,
-        main_cpus: mains
-            .iter()
-            .filter(|&&c| c != u64::MAX)
-            .map(|&c| c as usize)
-            .collect(),
-    };
-    let mut select_err = cfg.as_ref().and_then(|c| selection(&mut r, c, &local));
-    memlock(&mut r);
+    libibverbs(&mut r, verbs);
+    let mut select_err = None;
+    if let Some(c) = &cfg {
+        let (two, err) = this_rank(&mut r, c, &local);
+        select_err = err;
+        memlock(&mut r, c, n, if two { 2 } else { 1 }, verbs);
+    }
     cuda(&mut r);
 
     if !args.no_allreduce {
-        let outcome = (|| -> arx::Result<(String, usize, usize)> {
-            let mut arx = Arx::new(&world)?;
-            let d = arx.describe();
-            let desc = format!(
-                "{} device side, {} fabric: {}",
-                d.device, d.fabric, d.fabric_detail
-            );
-            let (count, wrong) = match args.dtype.as_str() {
-                "f32" => {
-                    let c = args.count.min(arx.max_count::<f32>());
-                    (c, check::<f32>(&mut arx, &args, c, f32::NAN)?)
-                }
-                "f16" => {
-                    let c = args.count.min(arx.max_count::<f16>());
-                    (c, check::<f16>(&mut arx, &args, c, f16::NAN)?)
-                }
-                _ => {
-                    let c = args.count.min(arx.max_count::<bf16>());
-                    (c, check::<bf16>(&mut arx, &args, c, bf16::NAN)?)
-                }
-            };
-            Ok((desc, count, wrong))
-        })();
+        // The instance is dropped inside, on every rank, before the
+        // collective below (its close is collective on the Verbs fabric).
+        let outcome = allreduce(&world, &args);
+        let mut mine = [0u64; 2];
+        if let Ok(o) = &outcome {
+            mine = [1, o.digest];
+        }
+        let mut all = vec![0u64; 2 * n];
+        world.all_gather_into(&mine[..], &mut all[..]);
         match outcome {
-            Ok((desc, count, wrong)) => {
-                r.line(format!("arx: {desc}"));
-                if desc.contains("shm fabric") && select_err.take().is_some() {
-                    r.line("  note: no RDMA lanes, which the shm fabric (one node) does not need");
-                }
-                if wrong == 0 {
-                    r.line(format!(
-                        "all-reduce: {} calls of {count} x {} over {n} ranks: every element correct",
-                        args.iters, args.dtype
-                    ));
+            Ok(o) => {
+                // What arx chose, where it differs from the guess above.
+                verbs = o.fabric == "verbs";
+                r.line(format!("arx: {}", o.desc));
+                r.line(format!(
+                    "  set-up took {:.1} ms",
+                    o.setup.as_secs_f64() * 1e3
+                ));
+                let calls = format!(
+                    "{} calls of {} x {} over {n} ranks",
+                    args.iters, o.count, args.dtype
+                );
+                if o.wrong == 0 {
+                    r.line(format!("all-reduce: {calls}: every element correct"));
                 } else {
                     r.problem(format!(
-                        "all-reduce: {wrong} wrong elements in {} calls of {count}: a fabric ordering bug; report this output",
-                        args.iters
+                        "all-reduce: {} wrong elements in {calls} (first: {}): a bug; report this output",
+                        o.wrong,
+                        o.first_wrong.unwrap_or_default()
+                    ));
+                }
+                let done: Vec<u64> = all.chunks(2).filter(|c| c[0] == 1).map(|c| c[1]).collect();
+                if done.len() < n {
+                    r.line(format!(
+                        "  {} rank(s) did not finish their calls (see their reports)",
+                        n - done.len()
+                    ));
+                } else if done.iter().all(|&d| d == o.digest) {
+                    r.line("  every rank holds the same bits");
+                } else {
+                    r.problem("the ranks' results differ in their bits: a bug; report this output");
+                }
+                if let Some(first) = o.times.first() {
+                    let mut rest = o.times[1..].to_vec();
+                    rest.sort();
+                    let mut t = format!("  time per call: first {}", us(*first));
+                    if !rest.is_empty() {
+                        let _ = write!(
+                            t,
+                            ", then median {}, best {}",
+                            us(rest[rest.len() / 2]),
+                            us(rest[0])
+                        );
+                    }
+                    r.line(format!(
+                        "{t} (host buffers; allreduce_perf measures properly)"
                     ));
                 }
             }
@@ -482,8 +458,10 @@ fn main() -> ExitCode {
         }
     }
 
-    if let Some(e) = select_err {
-        r.problem(e);
+    match select_err {
+        Some(e) if verbs => r.problem(e),
+        Some(_) => r.line("note: no RDMA lanes, which the shm fabric does not need"),
+        None => {}
     }
     if r.problems.is_empty() {
         r.line("doctor: no problem found");

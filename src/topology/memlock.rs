@@ -44,12 +44,18 @@ pub fn memlock_needed(slot_bytes: usize, world: usize) -> usize {
 
 /// Fails with an explanation when RLIMIT_MEMLOCK is below `needed` bytes.
 pub fn check_memlock(needed: usize) -> Result<()> {
-    let (soft, hard) = memlock_limit().map_err(|e| Error::Os {
+    let (soft, hard) = memlock_limits()?;
+    check_memlock_with(needed, soft, hard)
+}
+
+/// This process's RLIMIT_MEMLOCK, `(soft, hard)` in bytes, `u64::MAX` for
+/// unlimited (what [`check_memlock`] judges).
+pub fn memlock_limits() -> Result<(u64, u64)> {
+    memlock_limit().map_err(|e| Error::Os {
         call: "getrlimit(RLIMIT_MEMLOCK)",
         object: "this process".into(),
         detail: e,
-    })?;
-    check_memlock_with(needed, soft, hard)
+    })
 }
 
 /// `getrlimit(RLIMIT_MEMLOCK)`: (soft, hard) in bytes, `u64::MAX` for

@@ -13,7 +13,8 @@
 //! * `gid.rs`: the GID choice, per device.
 //! * `choose.rs`: which devices carry the two lanes; PCIe link warnings.
 //! * `cpu.rs`: the proxy's CPU per local rank; [`pin_current_thread`].
-//! * `memlock.rs`: [`memlock_needed`], [`check_memlock`].
+//! * `memlock.rs`: [`memlock_needed`], [`check_memlock`], [`memlock_limits`].
+//! * `ibv.rs`: [`ibv_devices`], the devices libibverbs itself lists.
 //! * `report.rs`: [`report`], what `examples/doctor` prints.
 //! * `mod.rs`: the types, and [`select`], which runs discovery, the lane
 //!   choice and the proxy CPU choice in turn.
@@ -49,6 +50,7 @@ mod choose;
 mod cpu;
 mod gid;
 mod hwloc;
+mod ibv;
 mod memlock;
 mod report;
 mod sysfs;
@@ -62,7 +64,8 @@ use crate::error::Result;
 
 pub use cpu::pin_current_thread;
 pub use gid::format_gid;
-pub use memlock::{check_memlock, memlock_needed};
+pub use ibv::ibv_devices;
+pub use memlock::{check_memlock, memlock_limits, memlock_needed};
 pub use report::{report, report_in};
 pub use sysfs::discover_in;
 
