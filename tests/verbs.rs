@@ -36,7 +36,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use arx::topology::{self, LocalRank};
-use arx::{verify, Arx, Config, DeviceKind, Error, FabricKind};
+use arx::{verify, Arx, CallKind, Config, DeviceKind, Error, FabricKind};
 use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -337,11 +337,11 @@ fn break_qp(world: &SimpleCommunicator) -> Result<String, String> {
         }
         // Rank `victim`'s sends to the culprit fail too (retry exceeded),
         // so its fabric fails as well and a third rank may hear of either.
-        Err(e @ Error::CallMismatch { peer, .. })
+        Err(e @ Error::CallMismatch { peer, theirs, .. })
             if me != CULPRIT
                 && (peer == CULPRIT || (peer == victim && me != victim))
                 && fast
-                && e.to_string().contains("fabric failed") =>
+                && theirs.kind == CallKind::FabricFailed =>
         {
             Ok(format!("told by rank {peer} at once, after {took:?}: {e}"))
         }
