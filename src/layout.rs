@@ -492,7 +492,10 @@ mod tests {
                     let l = Layout::with_page(world, world - 1, slot, page).unwrap();
                     assert_eq!(l.page(), page);
                     assert!(l.slot_bytes() >= slot && l.slot_bytes() % page == 0);
-                    assert!(l.slot_bytes() < slot + page, "no more than one page of slack");
+                    assert!(
+                        l.slot_bytes() < slot + page,
+                        "no more than one page of slack"
+                    );
                     assert!(l.flags_offset() >= CTRL_BYTES);
                     assert!(l.flags_offset() + l.flags_bytes() <= l.send_offset(0));
                     assert_eq!(l.send_offset(1), l.send_offset(0) + l.slot_bytes());
