@@ -68,7 +68,7 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     } else {
         DeviceKind::Host.code()
     };
-    let layout = boot.agree("layout", Layout::new(world, rank, cfg.slot_bytes))?;
+    let layout = boot.agree("layout", Layout::agreed(&boot, world, rank, cfg.slot_bytes))?;
 
     // Everyone's description, validated identically on every rank.
     let me = PeerInfo::local(world, rank, layout.slot_bytes(), cfg.fabric, device_code);

@@ -5,19 +5,27 @@
 //! ctrl  | flags[2][world][2] | send[2][slot] | recv[2][world][slot]
 //! ```
 //!
-//! Each section starts on a page. The receive area keeps a slot for this
-//! rank too (unused) so that `recv[p][src]` needs no special case.
+//! Each section starts on a page, every slot and the region's size are
+//! whole pages: the page the kernel reports (`sysconf(_SC_PAGESIZE)`: 4 KiB
+//! on x86, 4, 16 or 64 KiB on aarch64), never less than
+//! `ARX_SECTION_ALIGN` (4 KiB), and the largest any rank reports when ranks
+//! run on different kernels ([`Layout::agreed`]). So `cuMemHostRegister`,
+//! `ibv_reg_mr` and the Shm fabric's per-rank parts cover whole pages on
+//! every kernel. The receive area keeps a slot for this rank too (unused) so
+//! that `recv[p][src]` needs no special case.
 
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use crate::abi;
+use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
 /// Bytes of the control block.
 pub(crate) const CTRL_BYTES: usize = std::mem::size_of::<abi::arx_ctrl_t>();
-const ALIGN: usize = abi::ARX_SECTION_ALIGN as usize;
+/// The smallest alignment of sections and slots, whatever the page size.
+const MIN_ALIGN: usize = abi::ARX_SECTION_ALIGN as usize;
 const LANES: usize = abi::ARX_LANES as usize;
 const PARITIES: usize = abi::ARX_PARITIES as usize;
 
@@ -31,16 +39,84 @@ pub(crate) const fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
+/// The page size the kernel reports for this process.
+pub(crate) fn page_size() -> Result<usize> {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .ok_or_else(|| Error::Os {
+            call: "sysconf(_SC_PAGESIZE)",
+            object: "this process".into(),
+            detail: format!("returned {p}, not a page size"),
+        })
+}
+
+/// The page every rank aligns to: the largest any rank reported (a multiple
+/// of all the others, pages being powers of two). `pages[r]` is rank r's
+/// all-gathered report: its page size as 8 little-endian bytes, 0 if it
+/// could not read it.
+fn largest_page(pages: &[Vec<u8>]) -> Result<usize> {
+    let mut largest = 0;
+    for (peer, b) in pages.iter().enumerate() {
+        let p = <[u8; 8]>::try_from(b.as_slice())
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|p| usize::try_from(p).ok())
+            .filter(|p| p.is_power_of_two())
+            .ok_or_else(|| Error::PeerFailed {
+                peer,
+                reason: format!("reported no usable page size ({b:02x?})"),
+            })?;
+        largest = largest.max(p);
+    }
+    Ok(largest)
+}
+
 /// Offsets of one instance's region.
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     raw: abi::arx_layout_t,
+    /// What sections and slots are aligned to: the page, at least 4 KiB.
+    align: usize,
 }
 
 impl Layout {
     /// Computes the layout for `world` ranks and slots of at least
-    /// `slot_bytes` bytes (rounded up to a page).
+    /// `slot_bytes` bytes, aligned to this process's page (rounded up to
+    /// one). Ranks on other kernels agree through `Layout::agreed`.
     pub fn new(world: usize, rank: usize, slot_bytes: usize) -> Result<Self> {
+        Self::with_page(world, rank, slot_bytes, page_size()?)
+    }
+
+    /// The layout every rank of `boot` computes alike, aligned to the
+    /// largest page any rank's kernel reports: the Verbs fabric writes at
+    /// offsets into peers' regions that it computes from its own layout, so
+    /// a 4 KiB x86 node and a 64 KiB aarch64 node must not each align to
+    /// their own page. Collective over `boot`.
+    pub(crate) fn agreed(
+        boot: &Bootstrap,
+        world: usize,
+        rank: usize,
+        slot_bytes: usize,
+    ) -> Result<Self> {
+        let local = page_size();
+        let report = local.as_ref().map_or(0, |&p| p as u64);
+        let pages = boot.all_gather_bytes("page size", &report.to_le_bytes())?;
+        local?;
+        Self::with_page(world, rank, slot_bytes, largest_page(&pages)?)
+    }
+
+    /// Computes the layout with sections and slots aligned to `page` bytes
+    /// (a power of two; 4 KiB when smaller).
+    pub fn with_page(world: usize, rank: usize, slot_bytes: usize, page: usize) -> Result<Self> {
+        if !page.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "page size {page} is not a power of two"
+            )));
+        }
+        let align = page.max(MIN_ALIGN);
         if world == 0 || world > abi::ARX_MAX_WORLD as usize {
             return Err(Error::InvalidArgument(format!(
                 "world size {world} is outside 1..={}",
@@ -55,10 +131,10 @@ impl Layout {
         if slot_bytes == 0 {
             return Err(Error::InvalidArgument("slot size 0".into()));
         }
-        let slot = align_up(slot_bytes, ALIGN);
-        let flags_off = align_up(CTRL_BYTES, ALIGN);
+        let slot = align_up(slot_bytes, align);
+        let flags_off = align_up(CTRL_BYTES, align);
         let flags_bytes = PARITIES * world * LANES * 8;
-        let send_off = align_up(flags_off + flags_bytes, ALIGN);
+        let send_off = align_up(flags_off + flags_bytes, align);
         let recv_off = send_off + PARITIES * slot;
         let region = recv_off
             .checked_add(
@@ -79,6 +155,7 @@ impl Layout {
                 world: world as u32,
                 rank: rank as u32,
             },
+            align,
         })
     }
 
@@ -101,6 +178,10 @@ impl Layout {
     /// Bytes of the whole region.
     pub fn region_bytes(&self) -> usize {
         self.raw.region_bytes as usize
+    }
+    /// The page sections, slots and the region's size are multiples of.
+    pub fn page(&self) -> usize {
+        self.align
     }
     /// Offset of the flag `src` writes for `lane` on calls of `parity`.
     pub fn flag_offset(&self, parity: usize, src: usize, lane: usize) -> usize {
@@ -461,36 +542,137 @@ mod tests {
 
     #[test]
     fn sections_are_disjoint_and_aligned() {
-        for world in [1, 2, 3, 8, 256] {
-            for slot in [1, 4096, 4097, 1 << 20] {
-                let l = Layout::new(world, world - 1, slot).unwrap();
-                assert!(l.slot_bytes() >= slot && l.slot_bytes() % 4096 == 0);
-                assert!(l.flags_offset() >= CTRL_BYTES);
-                assert!(l.flags_offset() + l.flags_bytes() <= l.send_offset(0));
-                assert_eq!(l.send_offset(1), l.send_offset(0) + l.slot_bytes());
-                assert!(l.send_offset(1) + l.slot_bytes() <= l.recv_offset(0, 0));
-                let last = l.recv_offset(1, world - 1) + l.slot_bytes();
-                assert_eq!(last, l.region_bytes());
-                for off in [
-                    l.flags_offset(),
-                    l.send_offset(0),
-                    l.recv_offset(1, world - 1),
-                ] {
-                    assert_eq!(off % 4096, 0);
-                }
-                // Every flag word is distinct and inside the flags section.
-                let mut seen = std::collections::HashSet::new();
-                for p in 0..2 {
-                    for s in 0..world {
-                        for lane in 0..2 {
-                            let o = l.flag_offset(p, s, lane);
-                            assert!(
-                                o >= l.flags_offset()
-                                    && o + 8 <= l.flags_offset() + l.flags_bytes()
-                            );
-                            assert!(seen.insert(o));
+        // 4 KiB (x86, stock arm64 kernels), 16 KiB and 64 KiB (arm64
+        // kernels built for them, e.g. Ubuntu's -64k flavour).
+        for page in [4096, 16384, 65536] {
+            for world in [1, 2, 3, 8, 256] {
+                for slot in [1, 4096, 4097, 65537, 1 << 20] {
+                    let l = Layout::with_page(world, world - 1, slot, page).unwrap();
+                    assert_eq!(l.page(), page);
+                    assert!(l.slot_bytes() >= slot && l.slot_bytes() % page == 0);
+                    assert!(
+                        l.slot_bytes() < slot + page,
+                        "no more than one page of slack"
+                    );
+                    assert!(l.flags_offset() >= CTRL_BYTES);
+                    assert!(l.flags_offset() + l.flags_bytes() <= l.send_offset(0));
+                    assert_eq!(l.send_offset(1), l.send_offset(0) + l.slot_bytes());
+                    assert!(l.send_offset(1) + l.slot_bytes() <= l.recv_offset(0, 0));
+                    let last = l.recv_offset(1, world - 1) + l.slot_bytes();
+                    assert_eq!(last, l.region_bytes());
+                    // Sections start on a page; the region is whole pages, so
+                    // the Shm fabric's per-rank parts (rank r at r x region)
+                    // and registrations of the region cover whole pages.
+                    for off in [
+                        l.flags_offset(),
+                        l.send_offset(0),
+                        l.send_offset(1),
+                        l.recv_offset(0, 0),
+                        l.recv_offset(1, world - 1),
+                        l.region_bytes(),
+                    ] {
+                        assert_eq!(off % page, 0, "offset {off}, page {page}");
+                    }
+                    // Every flag word is distinct and inside the flags section.
+                    let mut seen = std::collections::HashSet::new();
+                    for p in 0..2 {
+                        for s in 0..world {
+                            for lane in 0..2 {
+                                let o = l.flag_offset(p, s, lane);
+                                assert!(
+                                    o >= l.flags_offset()
+                                        && o + 8 <= l.flags_offset() + l.flags_bytes()
+                                );
+                                assert!(seen.insert(o));
+                            }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_64k_page_layout_in_numbers() {
+        // 3 ranks, a 1-byte slot: control block, flags and every slot each
+        // take one 64 KiB page.
+        let l = Layout::with_page(3, 1, 1, 65536).unwrap();
+        assert_eq!(l.flags_offset(), 65536);
+        assert_eq!(l.slot_bytes(), 65536);
+        assert_eq!(l.send_offset(0), 2 * 65536);
+        assert_eq!(l.recv_offset(0, 0), 4 * 65536);
+        assert_eq!(l.region_bytes(), (4 + 2 * 3) * 65536);
+        // The same shape on 4 KiB pages packs tighter.
+        let small = Layout::with_page(3, 1, 1, 4096).unwrap();
+        assert_eq!(small.region_bytes(), (4 + 2 * 3) * 4096);
+    }
+
+    #[test]
+    fn pages_below_4k_still_align_to_4k_and_odd_pages_are_refused() {
+        let l = Layout::with_page(2, 0, 100, 1024).unwrap();
+        assert_eq!(l.page(), 4096);
+        assert_eq!(l.slot_bytes(), 4096);
+        assert_eq!(l.send_offset(0) % 4096, 0);
+        for bad in [0, 3, 12288, 65535] {
+            let e = Layout::with_page(2, 0, 100, bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("page size {bad}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn ranks_agree_on_the_largest_page() {
+        let report = |p: u64| p.to_le_bytes().to_vec();
+        // An x86 node (4 KiB) with a 64 KiB aarch64 node: both use 64 KiB.
+        let mixed = [report(4096), report(65536), report(16384)];
+        assert_eq!(largest_page(&mixed).unwrap(), 65536);
+        assert_eq!(largest_page(&[report(4096), report(4096)]).unwrap(), 4096);
+        // A rank that could not read its page (0), reported garbage or a
+        // short record is named.
+        for (bad, rank) in [
+            (vec![report(4096), report(0)], 1),
+            (vec![report(12288), report(4096)], 0),
+            (vec![report(4096), report(4096), vec![0, 16]], 2),
+        ] {
+            match largest_page(&bad) {
+                Err(Error::PeerFailed { peer, reason }) => {
+                    assert_eq!(peer, rank, "{reason}");
+                    assert!(reason.contains("page size"), "{reason}");
+                }
+                other => panic!("expected PeerFailed naming rank {rank}, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn page_size_is_the_kernels() {
+        assert_eq!(page_size().unwrap(), kernel_page());
+    }
+
+    /// The page this process sees, read independently of the code under
+    /// test (the auxiliary vector, not sysconf).
+    fn kernel_page() -> usize {
+        // SAFETY: getauxval has no preconditions.
+        let p = unsafe { libc::getauxval(libc::AT_PAGESZ) } as usize;
+        assert!(p.is_power_of_two(), "AT_PAGESZ {p}");
+        p
+    }
+
+    #[test]
+    fn layout_follows_the_page_the_kernel_reports() {
+        // Under `qemu-aarch64 -p 65536` (scripts/test-aarch64) this is a
+        // 64 KiB page; on x86 and stock arm64 kernels 4 KiB.
+        let page = kernel_page();
+        for world in [1, 2, 3, 8] {
+            for slot in [1, 4096, 65537] {
+                let l = Layout::new(world, 0, slot).unwrap();
+                for (what, v) in [
+                    ("slot", l.slot_bytes()),
+                    ("flags", l.flags_offset()),
+                    ("send", l.send_offset(0)),
+                    ("recv", l.recv_offset(0, 0)),
+                    ("region", l.region_bytes()),
+                ] {
+                    assert_eq!(v % page, 0, "{what} {v} with a {page}-byte page");
                 }
             }
         }

@@ -133,7 +133,8 @@ fn no_space(name: &str, layout: &Layout, len: usize, detail: &str) -> Error {
     let space = match shm_space() {
         Some((free, total)) => {
             // What would fit now: per rank, the fixed part plus the slots.
-            let fit = (free as usize / world).saturating_sub(fixed) / slots / 4096 * 4096;
+            let page = layout.page();
+            let fit = (free as usize / world).saturating_sub(fixed) / slots / page * page;
             let want = (total.saturating_sub(free) + len as u64).div_ceil(1 << 20);
             format!(
                 "/dev/shm has {free} bytes free ({}) of {total} ({}). Raise it to at least \
