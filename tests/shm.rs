@@ -1,5 +1,5 @@
 //! The edges of the Shm fabric's shared memory (a `harness = false` test,
-//! re-launched under `mpirun` like `tests/mpi.rs`):
+//! re-launched under `mpirun` like tests/mpi):
 //!
 //! 1. A rank leaves `Arx::new` right after rank 0 created the segment,
 //!    without taking part in what follows (as a rank that dies there

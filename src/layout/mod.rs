@@ -1,0 +1,289 @@
+//! The mapped region: where each section lives (computed here and nowhere
+//! else) and the small amount of `unsafe` needed to touch it.
+//!
+//! ```text
+//! ctrl  | flags[2][world][2] | send[2][slot] | recv[2][world][slot]
+//! ```
+//!
+//! Each section starts on a page, every slot and the region's size are
+//! whole pages: the page the kernel reports (`sysconf(_SC_PAGESIZE)`: 4 KiB
+//! on x86, 4, 16 or 64 KiB on aarch64), never less than
+//! `ARX_SECTION_ALIGN` (4 KiB), and the largest any rank reports when ranks
+//! run on different kernels ([`Layout::agreed`]). So `cuMemHostRegister`,
+//! `ibv_reg_mr` and the Shm fabric's per-rank parts cover whole pages on
+//! every kernel. The receive area keeps a slot for this rank too (unused) so
+//! that `recv[p][src]` needs no special case.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+
+use crate::abi;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+
+mod region;
+pub(crate) use region::Backing;
+pub use region::Region;
+
+/// Bytes of the control block.
+pub(crate) const CTRL_BYTES: usize = std::mem::size_of::<abi::arx_ctrl_t>();
+/// The smallest alignment of sections and slots, whatever the page size.
+const MIN_ALIGN: usize = abi::ARX_SECTION_ALIGN as usize;
+const LANES: usize = abi::ARX_LANES as usize;
+const PARITIES: usize = abi::ARX_PARITIES as usize;
+
+// The Rust side agrees with the header's own static asserts.
+const _: () = assert!(std::mem::size_of::<abi::arx_ctrl_t>() == 256);
+const _: () = assert!(std::mem::size_of::<abi::arx_layout_t>() == 56);
+const _: () = assert!(std::mem::size_of::<abi::arx_gpu_state_t>() == 64);
+const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 104);
+
+pub(crate) const fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// The page size the kernel reports for this process.
+pub(crate) fn page_size() -> Result<usize> {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p)
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .ok_or_else(|| Error::Os {
+            call: "sysconf(_SC_PAGESIZE)",
+            object: "this process".into(),
+            detail: format!("returned {p}, not a page size"),
+        })
+}
+
+/// The page every rank aligns to: the largest any rank reported (a multiple
+/// of all the others, pages being powers of two). `pages[r]` is rank r's
+/// all-gathered report: its page size as 8 little-endian bytes, 0 if it
+/// could not read it.
+fn largest_page(pages: &[Vec<u8>]) -> Result<usize> {
+    let mut largest = 0;
+    for (peer, b) in pages.iter().enumerate() {
+        let p = <[u8; 8]>::try_from(b.as_slice())
+            .map(u64::from_le_bytes)
+            .ok()
+            .and_then(|p| usize::try_from(p).ok())
+            .filter(|p| p.is_power_of_two())
+            .ok_or_else(|| Error::PeerFailed {
+                peer,
+                reason: format!("reported no usable page size ({b:02x?})"),
+            })?;
+        largest = largest.max(p);
+    }
+    Ok(largest)
+}
+
+/// Offsets of one instance's region.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    raw: abi::arx_layout_t,
+    /// What sections and slots are aligned to: the page, at least 4 KiB.
+    align: usize,
+}
+
+impl Layout {
+    /// Computes the layout for `world` ranks and slots of at least
+    /// `slot_bytes` bytes, aligned to this process's page (rounded up to
+    /// one). Ranks on other kernels agree through `Layout::agreed`.
+    pub fn new(world: usize, rank: usize, slot_bytes: usize) -> Result<Self> {
+        Self::with_page(world, rank, slot_bytes, page_size()?)
+    }
+
+    /// The layout every rank of `boot` computes alike, aligned to the
+    /// largest page any rank's kernel reports: the Verbs fabric writes at
+    /// offsets into peers' regions that it computes from its own layout, so
+    /// a 4 KiB x86 node and a 64 KiB aarch64 node must not each align to
+    /// their own page. Collective over `boot`.
+    pub(crate) fn agreed(
+        boot: &Bootstrap,
+        world: usize,
+        rank: usize,
+        slot_bytes: usize,
+    ) -> Result<Self> {
+        let local = page_size();
+        let report = local.as_ref().map_or(0, |&p| p as u64);
+        let pages = boot.all_gather_bytes("page size", &report.to_le_bytes())?;
+        local?;
+        Self::with_page(world, rank, slot_bytes, largest_page(&pages)?)
+    }
+
+    /// Computes the layout with sections and slots aligned to `page` bytes
+    /// (a power of two; 4 KiB when smaller).
+    pub fn with_page(world: usize, rank: usize, slot_bytes: usize, page: usize) -> Result<Self> {
+        if !page.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "page size {page} is not a power of two"
+            )));
+        }
+        let align = page.max(MIN_ALIGN);
+        if world == 0 || world > abi::ARX_MAX_WORLD as usize {
+            return Err(Error::InvalidArgument(format!(
+                "world size {world} is outside 1..={}",
+                abi::ARX_MAX_WORLD
+            )));
+        }
+        if rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} outside a world of {world}"
+            )));
+        }
+        if slot_bytes == 0 {
+            return Err(Error::InvalidArgument("slot size 0".into()));
+        }
+        let slot = align_up(slot_bytes, align);
+        let flags_off = align_up(CTRL_BYTES, align);
+        let flags_bytes = PARITIES * world * LANES * 8;
+        let send_off = align_up(flags_off + flags_bytes, align);
+        let recv_off = send_off + PARITIES * slot;
+        let region = recv_off
+            .checked_add(
+                PARITIES
+                    .checked_mul(world)
+                    .and_then(|n| n.checked_mul(slot))
+                    .ok_or_else(|| Error::InvalidArgument("region size overflows".into()))?,
+            )
+            .ok_or_else(|| Error::InvalidArgument("region size overflows".into()))?;
+        Ok(Layout {
+            raw: abi::arx_layout_t {
+                ctrl_off: 0,
+                flags_off: flags_off as u64,
+                send_off: send_off as u64,
+                recv_off: recv_off as u64,
+                slot_bytes: slot as u64,
+                region_bytes: region as u64,
+                world: world as u32,
+                rank: rank as u32,
+            },
+            align,
+        })
+    }
+
+    /// The ABI struct handed to the kernel.
+    pub fn raw(&self) -> abi::arx_layout_t {
+        self.raw
+    }
+    /// Ranks in the communicator.
+    pub fn world(&self) -> usize {
+        self.raw.world as usize
+    }
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.raw.rank as usize
+    }
+    /// Bytes of one slot (one partial's capacity).
+    pub fn slot_bytes(&self) -> usize {
+        self.raw.slot_bytes as usize
+    }
+    /// Bytes of the whole region.
+    pub fn region_bytes(&self) -> usize {
+        self.raw.region_bytes as usize
+    }
+    /// The page sections, slots and the region's size are multiples of.
+    pub fn page(&self) -> usize {
+        self.align
+    }
+    /// Offset of the flag `src` writes for `lane` on calls of `parity`.
+    pub fn flag_offset(&self, parity: usize, src: usize, lane: usize) -> usize {
+        debug_assert!(parity < PARITIES && src < self.world() && lane < LANES);
+        self.raw.flags_off as usize + ((parity * self.world() + src) * LANES + lane) * 8
+    }
+    /// Offset of this rank's send slot of `parity`.
+    pub fn send_offset(&self, parity: usize) -> usize {
+        self.raw.send_off as usize + parity * self.slot_bytes()
+    }
+    /// Offset of the slot that receives `src`'s partial on calls of `parity`.
+    pub fn recv_offset(&self, parity: usize, src: usize) -> usize {
+        self.raw.recv_off as usize + (parity * self.world() + src) * self.slot_bytes()
+    }
+    /// Bytes of the flags section.
+    pub fn flags_bytes(&self) -> usize {
+        PARITIES * self.world() * LANES * 8
+    }
+    /// Offset of the flags section.
+    pub fn flags_offset(&self) -> usize {
+        self.raw.flags_off as usize
+    }
+
+    /// The peers in the order this rank visits them: `rank+1, rank+2, …`
+    /// (mod world). Sending in this staggered order keeps every receiver
+    /// from getting all senders at once (incast); waiting in it spreads the
+    /// polling the same way.
+    pub fn peers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.world() - 1).map(|k| self.peer(k))
+    }
+
+    /// The `k`-th peer (from 0) in [`Layout::peers`] order.
+    pub fn peer(&self, k: usize) -> usize {
+        (self.rank() + 1 + k) % self.world()
+    }
+
+    /// The bytes of a `bytes`-long partial that travel on `lane`: the first
+    /// half (rounded up to 16 bytes) on lane 0, the rest on lane 1. A lane
+    /// may carry nothing for tiny partials; its flag is sent all the same.
+    pub fn lane_range(bytes: usize, lane: usize) -> Range<usize> {
+        let half = align_up(bytes.div_ceil(2), abi::ARX_LANE_ALIGN as usize).min(bytes);
+        match lane {
+            0 => 0..half,
+            _ => half..bytes,
+        }
+    }
+}
+
+/// Packs the flag word for call `seq` of `count` elements of `dtype`.
+pub fn flag_word(seq: u64, dtype: u32, count: usize) -> u64 {
+    ((seq & 0xffff_ffff) << abi::ARX_FLAG_SEQ_SHIFT)
+        | (u64::from(dtype & abi::ARX_FLAG_DTYPE_MASK) << abi::ARX_FLAG_DTYPE_SHIFT)
+        | (count as u64 & u64::from(abi::ARX_FLAG_COUNT_MASK))
+}
+
+/// The seq bits of a flag word.
+pub fn flag_seq(flag: u64) -> u32 {
+    (flag >> abi::ARX_FLAG_SEQ_SHIFT) as u32
+}
+
+/// The (dtype, count) bits of a flag word.
+pub fn flag_call(flag: u64) -> (u32, usize) {
+    (
+        ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
+        (flag & u64::from(abi::ARX_FLAG_COUNT_MASK)) as usize,
+    )
+}
+
+/// "peer q lane l: arrived|missing (last call s of this parity, n x dtype)"
+/// for every peer (in [`Layout::peers`] order) and lane of call `seq`: what
+/// a timeout or the watchdog reports.
+pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
+    let p = (seq & 1) as usize;
+    let mut out = Vec::new();
+    for q in layout.peers() {
+        for lane in 0..LANES {
+            let f = region
+                .u64_at(layout.flag_offset(p, q, lane))
+                .load(Ordering::Acquire);
+            let (d, n) = flag_call(f);
+            let state = if flag_seq(f) == seq as u32 {
+                "arrived"
+            } else {
+                "missing"
+            };
+            let last = if f == 0 {
+                "nothing received on this parity yet".to_string()
+            } else {
+                format!(
+                    "last call {} of this parity, {}",
+                    flag_seq(f),
+                    crate::dtype::CallDesc::new(d, n)
+                )
+            };
+            out.push(format!("peer {q} lane {lane}: {state} ({last})"));
+        }
+    }
+    out.join("; ")
+}
+
+#[cfg(test)]
+mod tests;

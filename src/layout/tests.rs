@@ -1,0 +1,217 @@
+//! Unit tests of the layout, flag words and region access.
+use super::*;
+
+#[test]
+fn sections_are_disjoint_and_aligned() {
+    // 4 KiB (x86, stock arm64 kernels), 16 KiB and 64 KiB (arm64
+    // kernels built for them, e.g. Ubuntu's -64k flavour).
+    for page in [4096, 16384, 65536] {
+        for world in [1, 2, 3, 8, 256] {
+            for slot in [1, 4096, 4097, 65537, 1 << 20] {
+                let l = Layout::with_page(world, world - 1, slot, page).unwrap();
+                assert_eq!(l.page(), page);
+                assert!(l.slot_bytes() >= slot && l.slot_bytes() % page == 0);
+                assert!(
+                    l.slot_bytes() < slot + page,
+                    "no more than one page of slack"
+                );
+                assert!(l.flags_offset() >= CTRL_BYTES);
+                assert!(l.flags_offset() + l.flags_bytes() <= l.send_offset(0));
+                assert_eq!(l.send_offset(1), l.send_offset(0) + l.slot_bytes());
+                assert!(l.send_offset(1) + l.slot_bytes() <= l.recv_offset(0, 0));
+                let last = l.recv_offset(1, world - 1) + l.slot_bytes();
+                assert_eq!(last, l.region_bytes());
+                // Sections start on a page; the region is whole pages, so
+                // the Shm fabric's per-rank parts (rank r at r x region)
+                // and registrations of the region cover whole pages.
+                for off in [
+                    l.flags_offset(),
+                    l.send_offset(0),
+                    l.send_offset(1),
+                    l.recv_offset(0, 0),
+                    l.recv_offset(1, world - 1),
+                    l.region_bytes(),
+                ] {
+                    assert_eq!(off % page, 0, "offset {off}, page {page}");
+                }
+                // Every flag word is distinct and inside the flags section.
+                let mut seen = std::collections::HashSet::new();
+                for p in 0..2 {
+                    for s in 0..world {
+                        for lane in 0..2 {
+                            let o = l.flag_offset(p, s, lane);
+                            assert!(
+                                o >= l.flags_offset()
+                                    && o + 8 <= l.flags_offset() + l.flags_bytes()
+                            );
+                            assert!(seen.insert(o));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_64k_page_layout_in_numbers() {
+    // 3 ranks, a 1-byte slot: control block, flags and every slot each
+    // take one 64 KiB page.
+    let l = Layout::with_page(3, 1, 1, 65536).unwrap();
+    assert_eq!(l.flags_offset(), 65536);
+    assert_eq!(l.slot_bytes(), 65536);
+    assert_eq!(l.send_offset(0), 2 * 65536);
+    assert_eq!(l.recv_offset(0, 0), 4 * 65536);
+    assert_eq!(l.region_bytes(), (4 + 2 * 3) * 65536);
+    // The same shape on 4 KiB pages packs tighter.
+    let small = Layout::with_page(3, 1, 1, 4096).unwrap();
+    assert_eq!(small.region_bytes(), (4 + 2 * 3) * 4096);
+}
+
+#[test]
+fn pages_below_4k_still_align_to_4k_and_odd_pages_are_refused() {
+    let l = Layout::with_page(2, 0, 100, 1024).unwrap();
+    assert_eq!(l.page(), 4096);
+    assert_eq!(l.slot_bytes(), 4096);
+    assert_eq!(l.send_offset(0) % 4096, 0);
+    for bad in [0, 3, 12288, 65535] {
+        let e = Layout::with_page(2, 0, 100, bad).unwrap_err().to_string();
+        assert!(e.contains(&format!("page size {bad}")), "{e}");
+    }
+}
+
+#[test]
+fn ranks_agree_on_the_largest_page() {
+    let report = |p: u64| p.to_le_bytes().to_vec();
+    // An x86 node (4 KiB) with a 64 KiB aarch64 node: both use 64 KiB.
+    let mixed = [report(4096), report(65536), report(16384)];
+    assert_eq!(largest_page(&mixed).unwrap(), 65536);
+    assert_eq!(largest_page(&[report(4096), report(4096)]).unwrap(), 4096);
+    // A rank that could not read its page (0), reported garbage or a
+    // short record is named.
+    for (bad, rank) in [
+        (vec![report(4096), report(0)], 1),
+        (vec![report(12288), report(4096)], 0),
+        (vec![report(4096), report(4096), vec![0, 16]], 2),
+    ] {
+        match largest_page(&bad) {
+            Err(Error::PeerFailed { peer, reason }) => {
+                assert_eq!(peer, rank, "{reason}");
+                assert!(reason.contains("page size"), "{reason}");
+            }
+            other => panic!("expected PeerFailed naming rank {rank}, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn page_size_is_the_kernels() {
+    assert_eq!(page_size().unwrap(), kernel_page());
+}
+
+/// The page this process sees, read independently of the code under
+/// test (the auxiliary vector, not sysconf).
+fn kernel_page() -> usize {
+    // SAFETY: getauxval has no preconditions.
+    let p = unsafe { libc::getauxval(libc::AT_PAGESZ) } as usize;
+    assert!(p.is_power_of_two(), "AT_PAGESZ {p}");
+    p
+}
+
+#[test]
+fn layout_follows_the_page_the_kernel_reports() {
+    // Under `qemu-aarch64 -p 65536` (scripts/test-aarch64) this is a
+    // 64 KiB page; on x86 and stock arm64 kernels 4 KiB.
+    let page = kernel_page();
+    for world in [1, 2, 3, 8] {
+        for slot in [1, 4096, 65537] {
+            let l = Layout::new(world, 0, slot).unwrap();
+            for (what, v) in [
+                ("slot", l.slot_bytes()),
+                ("flags", l.flags_offset()),
+                ("send", l.send_offset(0)),
+                ("recv", l.recv_offset(0, 0)),
+                ("region", l.region_bytes()),
+            ] {
+                assert_eq!(v % page, 0, "{what} {v} with a {page}-byte page");
+            }
+        }
+    }
+}
+
+#[test]
+fn rejects_bad_shapes() {
+    assert!(Layout::new(0, 0, 4096).is_err());
+    assert!(Layout::new(2, 2, 4096).is_err());
+    assert!(Layout::new(257, 0, 4096).is_err());
+    assert!(Layout::new(2, 0, 0).is_err());
+}
+
+#[test]
+fn lanes_split_every_byte_once() {
+    for bytes in [0usize, 1, 2, 15, 16, 17, 31, 32, 33, 1000, 4096, 1 << 20] {
+        let a = Layout::lane_range(bytes, 0);
+        let b = Layout::lane_range(bytes, 1);
+        assert_eq!(a.start, 0);
+        assert_eq!(a.end, b.start);
+        assert_eq!(b.end, bytes);
+        assert!(a.end % 16 == 0 || a.end == bytes);
+        assert!(a.len() >= b.len());
+    }
+}
+
+#[test]
+fn flag_word_round_trips() {
+    for (seq, dtype, count) in [
+        (1u64, 1u32, 1usize),
+        (0x1_2345_6789, 3, 0x0fff_ffff),
+        (7, 2, 12345),
+    ] {
+        let f = flag_word(seq, dtype, count);
+        assert_eq!(flag_seq(f), seq as u32);
+        assert_eq!(flag_call(f), (dtype, count));
+    }
+    assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 6));
+    assert_ne!(flag_word(1, 1, 5), flag_word(1, 3, 5));
+}
+
+#[test]
+fn region_words_are_independent() {
+    let l = Layout::new(3, 1, 4096).unwrap();
+    let r = Region::anonymous(l.region_bytes()).unwrap();
+    r.ctrl().seq().store(41, Ordering::Release);
+    r.ctrl().meta(1).store(7, Ordering::Release);
+    r.u64_at(l.flag_offset(1, 2, 1)).store(9, Ordering::Release);
+    assert_eq!(r.ctrl().seq().load(Ordering::Acquire), 41);
+    assert_eq!(r.ctrl().meta(0).load(Ordering::Acquire), 0);
+    assert_eq!(r.ctrl().meta(1).load(Ordering::Acquire), 7);
+    assert_eq!(r.u64_at(l.flag_offset(1, 2, 0)).load(Ordering::Acquire), 0);
+    let mut back = [0u8; 3];
+    // SAFETY: nothing else touches this test region.
+    unsafe {
+        r.write(l.send_offset(1), &[1, 2, 3]);
+        r.read_into(l.send_offset(1), &mut back);
+    }
+    assert_eq!(back, [1, 2, 3]);
+}
+
+#[test]
+fn copy_to_moves_a_slot_between_regions() {
+    let l = Layout::new(2, 0, 4096).unwrap();
+    let a = Region::anonymous(l.region_bytes()).unwrap();
+    let b = Region::anonymous(l.region_bytes()).unwrap();
+    let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let mut back = vec![0u8; 5000];
+    // SAFETY: nothing else touches these test regions.
+    unsafe {
+        a.write(l.send_offset(0), &data);
+        a.copy_to(l.send_offset(0) + 10, &b, l.recv_offset(1, 0), 4000);
+        b.read_into(l.recv_offset(1, 0), &mut back[..4000]);
+    }
+    assert_eq!(back[..4000], data[10..4010]);
+    // Nothing beyond the copied range moved.
+    let mut after = [0xffu8; 8];
+    // SAFETY: as above.
+    unsafe { b.read_into(l.recv_offset(1, 0) + 4000, &mut after) };
+    assert_eq!(after, [0; 8]);
+}

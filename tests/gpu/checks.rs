@@ -1,0 +1,340 @@
+//! Cases ported from the former `examples/gpu_check` (`check`, `fail`).
+
+use super::*;
+
+// ------------------------------------------- cases of the former gpu_check
+
+/// The kernels' own f32 → bf16/f16 conversions and back, against `half`:
+/// every 16-bit pattern (widening), and for every sign and f32 exponent
+/// the mantissas around the bf16 and f16 rounding points (ties, ties ± 1)
+/// plus 2000 random ones. One rank checks (the GPU is the same for all).
+pub(super) fn conversions(ctx: &Ctx, st: Staging) -> R {
+    let (arx, _s) = build(ctx, st, Duration::from_secs(20))?;
+    if ctx.rank != 0 {
+        return Ok(());
+    }
+    let mut bits: Vec<u32> = (0u32..=0xFFFF).collect();
+    let mut rng = StdRng::seed_from_u64(7);
+    for sign in [0u32, 0x8000_0000] {
+        for exp in 0u32..=255 {
+            for m in [
+                0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1_8000, 0x0FFF, 0x1000, 0x1001, 0x2000,
+                0x3000, 0x7F_FFFF, 0x7F_8000, 0x40_0000, 0x40_1000, 0x3F_F000,
+            ] {
+                bits.push(sign | exp << 23 | m);
+            }
+            for _ in 0..2000 {
+                bits.push(sign | exp << 23 | rng.gen_range(0..0x80_0000u32));
+            }
+        }
+    }
+    let out = arx.gpu_convert_check(&bits).map_err(e("convert check"))?;
+    let mut bad = Vec::new();
+    let mut nbad = 0usize;
+    for (i, &b) in bits.iter().enumerate() {
+        let f = f32::from_bits(b);
+        let h = b as u16;
+        let checks = [
+            (
+                "f32->bf16",
+                u32::from(out.bf16[i]),
+                u32::from(bf16::from_f32(f).to_bits()),
+            ),
+            (
+                "f32->f16",
+                u32::from(out.f16[i]),
+                u32::from(f16::from_f32(f).to_bits()),
+            ),
+            (
+                "bf16->f32",
+                out.bf16_back[i],
+                bf16::from_bits(h).to_f32().to_bits(),
+            ),
+            (
+                "f16->f32",
+                out.f16_back[i],
+                f16::from_bits(h).to_f32().to_bits(),
+            ),
+        ];
+        for (what, got, want) in checks {
+            if got != want {
+                nbad += 1;
+                if bad.len() < 8 {
+                    bad.push(format!("{what}({b:#010x}): gpu {got:#x}, half {want:#x}"));
+                }
+            }
+        }
+    }
+    if nbad > 0 {
+        return Err(format!(
+            "{nbad} conversions differ from `half`: {}",
+            bad.join("; ")
+        ));
+    }
+    ctx.say(format!(
+        "{} patterns match `half` bit for bit (4 directions)",
+        bits.len()
+    ));
+    Ok(())
+}
+
+/// The former gpu_check's lengths: odd ones, vector boundaries, the slot's
+/// last two counts.
+pub(super) fn length_list(max: usize, quick: bool) -> Vec<usize> {
+    let mut v: Vec<usize> = if quick {
+        vec![1, 3, 8, 17, 1000, 4097]
+    } else {
+        vec![
+            1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 100, 127, 255, 257, 1000, 1023, 1025,
+            2047, 2049, 4095, 4097, 8191, 12345, 65535, 65537, 100003,
+        ]
+    };
+    v.push(max - 1);
+    v.push(max);
+    v.retain(|&n| n <= max);
+    v
+}
+
+pub(super) fn lengths_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+) -> R<usize> {
+    let max = arx.max_count::<T>();
+    let mut calls = 0;
+    for (k, &n) in length_list(max, ctx.quick).iter().enumerate() {
+        for (j, how) in [
+            Placement::OutOfPlace,
+            Placement::InPlace,
+            Placement::Unaligned,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            if matches!(how, Placement::Unaligned) && n == max {
+                continue; // needs one element of room
+            }
+            let call = 0x1_0000 | (T::DTYPE.code() as u64) << 12 | (k as u64) << 4 | j as u64;
+            checked_call::<T>(ctx, arx, s, call, n, how)?;
+            calls += 1;
+        }
+    }
+    Ok(calls)
+}
+
+/// bf16, f16 and f32 at every length, out of place, in place and unaligned.
+pub(super) fn lengths(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(20))?;
+    let b = lengths_of::<bf16>(ctx, &mut arx, &s)?;
+    let h = lengths_of::<f16>(ctx, &mut arx, &s)?;
+    let f = lengths_of::<f32>(ctx, &mut arx, &s)?;
+    ctx.say(format!(
+        "bf16 {b}, f16 {h}, f32 {f} calls bit-exact (out of place, in place, unaligned; up to {} bf16 elements)",
+        arx.max_count::<bf16>()
+    ));
+    Ok(())
+}
+
+/// `calls` back-to-back calls, distinct inputs and outputs, one sync.
+pub(super) fn burst_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    calls: usize,
+    count: usize,
+    first_call: u64,
+) -> R {
+    let data: Vec<(Vec<T>, Vec<T>)> = (0..calls as u64)
+        .map(|i| wide_data::<T>(ctx, first_call + i, count))
+        .collect();
+    let ins: Vec<CudaSlice<T>> = data.iter().map(|(x, _)| up(s, x)).collect::<R<_>>()?;
+    let mut outs: Vec<CudaSlice<T>> = (0..calls)
+        .map(|_| poisoned::<T>(s, count))
+        .collect::<R<_>>()?;
+    s.synchronize().map_err(e("sync"))?;
+    for (i, o) in ins.iter().zip(outs.iter_mut()) {
+        arx.allreduce(i, o, s).map_err(e("allreduce"))?;
+    }
+    arx.check().map_err(e("check"))?;
+    for (k, (o, (_, want))) in outs.iter().zip(&data).enumerate() {
+        let got = down(s, o)?;
+        ctx.fold(&got);
+        compare(
+            &format!("burst call {k} of {calls} ({count} x {})", T::DTYPE.name()),
+            &got,
+            want,
+        )?;
+    }
+    Ok(())
+}
+
+/// 200 back-to-back 8 KB bf16 calls and 50 of 130 KB f32 (quick: 16 and 4).
+pub(super) fn bursts(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(20))?;
+    let n = if ctx.quick { 16 } else { 200 };
+    burst_of::<bf16>(ctx, &mut arx, &s, n, 4096, 0x5000_0000)?;
+    burst_of::<f32>(ctx, &mut arx, &s, n / 4, 33333, 0x5100_0000)?;
+    ctx.say(format!(
+        "{n} back-to-back 8 KB bf16 calls and {} 130 KB f32 calls, one sync each burst",
+        n / 4
+    ));
+    Ok(())
+}
+
+/// Captures one call into a graph, then replays it `replays` times with a
+/// new input before each replay, checking every result.
+pub(super) fn graph_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    replays: usize,
+    count: usize,
+    first_call: u64,
+) -> R {
+    let mut din = poisoned::<T>(s, count)?;
+    let mut dout = poisoned::<T>(s, count)?;
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = arx.allreduce(&din, &mut dout, s);
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(e("allreduce under capture"))?;
+    let g = g.ok_or("empty graph")?;
+    for i in 0..replays as u64 {
+        let (x, want) = wide_data::<T>(ctx, first_call + i, count);
+        s.memcpy_htod(&x, &mut din).map_err(e("htod"))?;
+        poison_dev(s, &mut dout)?;
+        g.launch().map_err(e("graph launch"))?;
+        let got = down(s, &dout)?;
+        arx.check().map_err(e("check"))?;
+        ctx.fold(&got);
+        compare(
+            &format!("graph replay {i} ({count} x {})", T::DTYPE.name()),
+            &got,
+            &want,
+        )?;
+    }
+    Ok(())
+}
+
+/// 1000 replays of an 8 KB bf16 call and 100 of a 400 KB f32 call (quick:
+/// 50 and 5), a new input before each.
+pub(super) fn graph_replays(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(20))?;
+    let n = if ctx.quick { 50 } else { 1000 };
+    graph_of::<bf16>(ctx, &mut arx, &s, n, 4096, 0x7000_0000)?;
+    graph_of::<f32>(ctx, &mut arx, &s, n / 10, 100_000, 0x7100_0000)?;
+    ctx.say(format!(
+        "1 call captured, {n} replays (8 KB bf16) + {} (400 KB f32), new input before each, all bit-exact",
+        n / 10
+    ));
+    Ok(())
+}
+
+/// The last rank calls with one element more: every rank fails with
+/// `CallMismatch` well within the deadline, and the failed instance
+/// refuses the next call at once.
+pub(super) fn mismatch(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(2);
+    let last = ctx.n - 1;
+    let (mut arx, s) = build(ctx, st, timeout)?;
+    checked_call::<bf16>(ctx, &mut arx, &s, 0x8000_0001, 1000, Placement::OutOfPlace)?;
+    let n = if ctx.rank == last { 1001 } else { 1000 };
+    let din = up(&s, &verify::input::<bf16>(SEED, 0x8000_0002, ctx.rank, n))?;
+    let mut dout = poisoned::<bf16>(&s, n)?;
+    s.synchronize().map_err(e("sync"))?;
+    let t = Instant::now();
+    let r = arx
+        .allreduce(&din, &mut dout, &s)
+        .and_then(|()| arx.check());
+    let took = t.elapsed();
+    let msg = match &r {
+        Ok(()) => "no error".to_string(),
+        Err(x) => x.to_string(),
+    };
+    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= timeout {
+        return Err(format!(
+            "mismatch not reported as CallMismatch within {timeout:?} (after {took:.2?}): {msg}"
+        ));
+    }
+    ctx.say(format!(
+        "rank 0 failed in {:.1} ms and says: {msg}",
+        took.as_secs_f64() * 1e3
+    ));
+    // Later calls return the sticky error at once.
+    if arx.allreduce(&din, &mut dout, &s).is_ok() {
+        return Err("a failed instance accepted another call".into());
+    }
+    Ok(())
+}
+
+/// The last rank skips a call: every other rank's kernel exits with a
+/// `Timeout` naming it within the 2 s deadline (+1 s), its output
+/// NaN-poisoned. Then a new instance on the same GPU (and MPS) runs 20
+/// bit-exact calls.
+pub(super) fn stopped_rank(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(2);
+    let last = ctx.n - 1;
+    {
+        let (mut arx, s) = build(ctx, st, timeout)?;
+        for k in 0..3 {
+            checked_call::<f32>(
+                ctx,
+                &mut arx,
+                &s,
+                0x9000_0000 + k,
+                4096,
+                Placement::OutOfPlace,
+            )?;
+        }
+        if ctx.rank == last {
+            // Alive with its instance but not calling, until the others'
+            // deadline has passed (as in the former gpu_check, where this
+            // rank waited in a collective meanwhile).
+            std::thread::sleep(timeout + Duration::from_secs(2));
+        } else {
+            let din = up(&s, &wide::<f32>(0x9000_0099, ctx.rank, 4096))?;
+            let mut dout = poisoned::<f32>(&s, 4096)?;
+            s.synchronize().map_err(e("sync"))?;
+            let t = Instant::now();
+            let r = arx
+                .allreduce(&din, &mut dout, &s)
+                .and_then(|()| arx.check());
+            let waited = t.elapsed();
+            let out = down(&s, &dout)?;
+            let nan = out.iter().all(|x| x.is_nan());
+            let msg = match &r {
+                Ok(()) => "no error".to_string(),
+                Err(x) => x.to_string(),
+            };
+            let ok = matches!(&r, Err(Error::Timeout { .. }))
+                && msg.contains(&format!("peer {last}"))
+                && waited < timeout + Duration::from_secs(1)
+                && nan;
+            if !ok {
+                return Err(format!(
+                    "rank {last} stopped: waited {waited:.2?} (deadline {timeout:?}), output all NaN {nan}: {msg}"
+                ));
+            }
+            ctx.say(format!(
+                "rank {last} skipped a call; rank 0's kernel exited with Timeout after {waited:.2?} (deadline {timeout:?}), output NaN; it says: {msg}"
+            ));
+        }
+    }
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(10))?;
+    for k in 0..20 {
+        checked_call::<bf16>(
+            ctx,
+            &mut arx,
+            &s,
+            0x9100_0000 + k,
+            3000,
+            Placement::OutOfPlace,
+        )
+        .map_err(|m| format!("after the stopped rank: {m}"))?;
+    }
+    ctx.say("then a new instance on the same GPU ran 20 bit-exact calls");
+    Ok(())
+}

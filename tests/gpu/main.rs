@@ -1,0 +1,518 @@
+//! GPU tests of arx (a `harness = false` test).
+//!
+//! Run by `cargo test`, this program checks for a usable GPU first: without
+//! one it prints `SKIPPED (not passed)` (`scripts/test` says so) and exits 0.
+//! With one, it re-launches itself under `mpirun` for every rank count in
+//! `ARX_GPU_TEST_RANKS` (default `2,3`; several ranks on one GPU need MPS,
+//! which `scripts/gpu-check` starts and where it runs 2, 3, 4 and 8 ranks),
+//! bounds each run's time (`ARX_TEST_RUN_SECS`, default 240) and fails if any
+//! run fails. Every rank checks every result against the independent
+//! reference of `arx::verify`, outputs are poisoned before each call, and
+//! each case runs with both stagings (SM stores and copy engine). After each
+//! case the harness compares the digest of every result the case folded in
+//! across ranks (every rank must hold the same bits); cases make no MPI
+//! collective of their own, so a rank that leaves a case early cannot hang
+//! the others.
+//!
+//! What the former `examples/gpu_check` checked (`check` and `fail`):
+//! the kernels' f32 ↔ bf16/f16 conversions against the `half` crate on
+//! 1 098 240 bit patterns; bf16, f16 and f32 at 31 lengths from 1 element to
+//! the slot size, each out of place, in place and unaligned (one element off
+//! a 16-byte boundary: the kernel's scalar path), on inputs of widely varied
+//! magnitude (rounding, ties, subnormals, f16 overflow); bursts of
+//! back-to-back calls with one synchronization; one call captured into a CUDA
+//! graph and replayed with a new input before every replay; a call mismatch
+//! failing every rank with `CallMismatch` at once; a rank that stops calling
+//! (every other rank's kernel ends with `Timeout` naming it within the
+//! deadline, its output NaN-poisoned), after which a new instance on the same
+//! GPU runs 20 correct calls.
+//!
+//! The GPU-side ways to get a silent wrong sum that were found by review:
+//! calls on two streams with no dependency, a graph replay next to an eager
+//! call, two calls on parallel branches of one graph, copy-engine staging
+//! right after a host call or right after a failed call while this rank's
+//! sends are still in flight (the test-only `ARX_TEST_POST_DELAY_US` makes
+//! every post late), −0.0 and the other edge values, and a graph replayed
+//! after its instance was dropped.
+//!
+//! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
+//! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
+//! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
+//! burst calls and graph replays.
+
+use std::cell::Cell;
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arx::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use arx::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+};
+use arx::{verify, Arx, DeviceKind, Dtype, Element, Error, Staging};
+use half::{bf16, f16};
+use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+mod checks;
+mod wrong_sum;
+
+use checks::*;
+use wrong_sum::*;
+
+const SEED: u64 = 0x6e0_5eed;
+
+fn main() -> ExitCode {
+    if std::env::var_os("ARX_TEST_CHILD").is_some() {
+        child()
+    } else {
+        parent()
+    }
+}
+
+// ------------------------------------------------------------------ parent
+
+fn parent() -> ExitCode {
+    if let Err(e) = arx::gpu_available() {
+        println!("gpu test: SKIPPED (not passed): {e}");
+        return ExitCode::SUCCESS;
+    }
+    let ranks: Vec<usize> = std::env::var("ARX_GPU_TEST_RANKS")
+        .unwrap_or_else(|_| "2,3".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let limit = Duration::from_secs(
+        std::env::var("ARX_TEST_RUN_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(240),
+    );
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let mut failed = Vec::new();
+    for &n in &ranks {
+        let start = Instant::now();
+        println!("gpu test: {n} ranks ...");
+        let mut cmd = Command::new("mpirun");
+        cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"]);
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            cmd.arg("--allow-run-as-root");
+        }
+        cmd.args(["--mca", "btl", "self,vader,tcp"]);
+        for v in [
+            "CUDA_MPS_PIPE_DIRECTORY",
+            "CUDA_MPS_LOG_DIRECTORY",
+            "LD_LIBRARY_PATH",
+            "RUST_LOG",
+        ] {
+            if std::env::var_os(v).is_some() {
+                cmd.args(["-x", v]);
+            }
+        }
+        cmd.arg(&exe)
+            .env("ARX_TEST_CHILD", "1")
+            .stdin(Stdio::null());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("gpu test: cannot start mpirun ({e})");
+                return ExitCode::FAILURE;
+            }
+        };
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(s)) => break Some(s),
+                Ok(None) if start.elapsed() > limit => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+                Err(_) => break None,
+            }
+        };
+        match status {
+            Some(s) if s.success() => {
+                println!("gpu test: {n} ranks passed in {:.1?}", start.elapsed())
+            }
+            Some(s) => {
+                println!("gpu test: {n} ranks FAILED ({s})");
+                failed.push(n);
+            }
+            None => {
+                println!("gpu test: {n} ranks FAILED (killed after {limit:?})");
+                failed.push(n);
+            }
+        }
+    }
+    if failed.is_empty() {
+        println!("gpu test: all rank counts passed: {ranks:?}");
+        ExitCode::SUCCESS
+    } else {
+        println!("gpu test: failed for rank counts {failed:?}");
+        ExitCode::FAILURE
+    }
+}
+
+// ------------------------------------------------------------------ child
+
+struct Ctx<'a> {
+    world: &'a SimpleCommunicator,
+    rank: usize,
+    n: usize,
+    /// `ARX_GPU_TEST_QUICK=1`: fewer lengths, burst calls and replays.
+    quick: bool,
+    /// Digest of the results the running case folded in ([`Ctx::fold`]);
+    /// the harness compares it across ranks after the case.
+    digest: Cell<Option<u64>>,
+}
+
+impl Ctx<'_> {
+    /// Adds a result to the case's digest (compared across ranks after
+    /// the case, outside it, so that no rank can wait for one that left).
+    fn fold<T: Element>(&self, got: &[T]) {
+        let d = verify::digest(got);
+        let prev = self.digest.get().unwrap_or(0x9E37_79B9_7F4A_7C15);
+        self.digest.set(Some(
+            (prev.rotate_left(17) ^ d).wrapping_mul(0x0000_0100_0000_01b3),
+        ));
+    }
+    /// Prints on rank 0 only (details under the case's verdict line).
+    fn say(&self, s: impl AsRef<str>) {
+        if self.rank == 0 {
+            println!("      {}", s.as_ref());
+        }
+    }
+}
+
+type R<T = ()> = Result<T, String>;
+type Case = fn(&Ctx, Staging) -> R;
+
+fn e<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
+    move |x| format!("{what}: {x}")
+}
+
+fn child() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let universe = mpi::initialize().expect("MPI initialises once");
+    let world = universe.world();
+    let ctx = Ctx {
+        world: &world,
+        rank: world.rank() as usize,
+        n: world.size() as usize,
+        quick: std::env::var("ARX_GPU_TEST_QUICK").is_ok_and(|v| v != "0" && !v.is_empty()),
+        digest: Cell::new(None),
+    };
+    let cases: &[(&str, Case)] = &[
+        (
+            "the kernels' conversions against the half crate",
+            conversions,
+        ),
+        (
+            "every dtype at every length: out of place, in place, unaligned",
+            lengths,
+        ),
+        ("bursts of back-to-back calls, one sync", bursts),
+        (
+            "one call captured into a graph, replayed with new input each time",
+            graph_replays,
+        ),
+        ("a call mismatch fails every rank at once", mismatch),
+        (
+            "a stopped rank: Timeout within the deadline, then 20 correct calls",
+            stopped_rank,
+        ),
+        (
+            "edge values (-0.0, NaN, Inf, subnormals), aligned and not",
+            edges,
+        ),
+        ("calls on two streams with no dependency", two_streams),
+        (
+            "graph replay on one stream, eager calls on another",
+            graph_and_eager,
+        ),
+        (
+            "two calls on parallel branches of one graph",
+            parallel_branches,
+        ),
+        (
+            "a GPU call right after a host call, posts late",
+            after_host_call,
+        ),
+        (
+            "calls queued behind a failed call, posts late",
+            after_failed_call,
+        ),
+        (
+            "a graph replayed after its instance was dropped",
+            replay_after_drop,
+        ),
+    ];
+    // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain
+    // one of the words; ARX_GPU_TEST_STAGING=sm|copy only one staging.
+    let only: Option<Vec<String>> = std::env::var("ARX_GPU_TEST_CASES")
+        .ok()
+        .map(|v| v.split(',').map(|w| w.trim().to_string()).collect());
+    let stagings: Vec<Staging> = match std::env::var("ARX_GPU_TEST_STAGING").as_deref() {
+        Ok("sm") => vec![Staging::Sm],
+        Ok("copy") => vec![Staging::CopyEngine],
+        _ => vec![Staging::Sm, Staging::CopyEngine],
+    };
+    if ctx.rank == 0 {
+        println!(
+            "gpu test: {} ranks, stagings {stagings:?}{}",
+            ctx.n,
+            if ctx.quick { ", quick" } else { "" }
+        );
+    }
+    let mut all_ok = true;
+    for staging in stagings {
+        for (name, case) in cases {
+            if let Some(words) = &only {
+                if !words.iter().any(|w| name.contains(w.as_str())) {
+                    if ctx.rank == 0 {
+                        println!(
+                            "  [{} ranks, {staging:?}] {name}: NOT RUN (filtered)",
+                            ctx.n
+                        );
+                    }
+                    continue;
+                }
+            }
+            let t = Instant::now();
+            ctx.digest.set(None);
+            let local = case(&ctx, staging);
+            if let Err(e) = &local {
+                eprintln!("rank {}: case '{name}' ({staging:?}) FAILED: {e}", ctx.rank);
+            }
+            let mut failures = 0u32;
+            world.all_reduce_into(
+                &u32::from(local.is_err()),
+                &mut failures,
+                SystemOperation::sum(),
+            );
+            // Every rank gathers every rank's digest (present, value) and
+            // decides alike: a case that folded results must have the same
+            // digest on every rank.
+            let d = ctx.digest.take();
+            let mine = [u64::from(d.is_some()), d.unwrap_or(0)];
+            let mut all = vec![0u64; 2 * ctx.n];
+            world.all_gather_into(&mine[..], &mut all[..]);
+            let digests_differ = all.chunks(2).any(|c| c != &all[..2]);
+            if ctx.rank == 0 {
+                let verdict = if failures != 0 {
+                    format!("FAILED on {failures} rank(s)")
+                } else if digests_differ {
+                    let ds: Vec<String> = all
+                        .chunks(2)
+                        .map(|c| match c[0] {
+                            0 => "none".to_string(),
+                            _ => format!("{:016x}", c[1]),
+                        })
+                        .collect();
+                    format!("FAILED: the ranks' result digests differ: {ds:?}")
+                } else if mine[0] == 1 {
+                    format!("ok, every rank's results hash to {:016x}", mine[1])
+                } else {
+                    "ok".to_string()
+                };
+                println!(
+                    "  [{} ranks, {staging:?}] {name}: {verdict} ({:.2?})",
+                    ctx.n,
+                    t.elapsed()
+                );
+            }
+            all_ok &= failures == 0 && !digests_differ;
+            world.barrier();
+        }
+    }
+    if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
+fn build(ctx: &Ctx, staging: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
+    let arx = Arx::builder()
+        .device(DeviceKind::Gpu)
+        .staging(staging)
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(e("Arx::new"))?;
+    let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
+    // Cudarc's own cross-stream tracking would add waits of its own: off,
+    // so that only arx orders its calls here.
+    // SAFETY: no cudarc slice is shared between streams without the test
+    // synchronizing first.
+    unsafe { cuda.disable_event_tracking() };
+    let s = cuda.new_stream().map_err(e("new_stream"))?;
+    Ok((arx, s))
+}
+
+fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> R<CudaSlice<T>> {
+    s.clone_htod(v).map_err(e("clone_htod"))
+}
+
+fn poisoned<T: Element + DeviceRepr + ValidAsZeroBits>(
+    s: &Arc<CudaStream>,
+    n: usize,
+) -> R<CudaSlice<T>> {
+    let mut h = vec![T::zeroed(); n];
+    verify::poison(&mut h);
+    up(s, &h)
+}
+
+/// Overwrites `d` with the poison of `verify::poison`.
+fn poison_dev<T: Element + DeviceRepr>(s: &Arc<CudaStream>, d: &mut CudaSlice<T>) -> R {
+    let mut h = vec![T::zeroed(); d.len()];
+    verify::poison(&mut h);
+    s.memcpy_htod(&h, d).map_err(e("poison"))
+}
+
+fn down<T: DeviceRepr + Default + Clone>(s: &Arc<CudaStream>, d: &CudaSlice<T>) -> R<Vec<T>> {
+    let v = s.clone_dtoh(d).map_err(e("dtoh"))?;
+    s.synchronize().map_err(e("synchronize"))?;
+    Ok(v)
+}
+
+fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> R {
+    let wrong = verify::count_wrong(got, want);
+    if wrong == 0 {
+        return Ok(());
+    }
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: {} elements, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    let i = verify::first_wrong(got, want).unwrap_or(0);
+    Err(format!(
+        "{what}: {wrong} of {} wrong; first at {i}: got {} ({:02x?}) want {} ({:02x?})",
+        got.len(),
+        verify::value_of(&got[i]),
+        bytemuck::bytes_of(&got[i]),
+        verify::value_of(&want[i]),
+        bytemuck::bytes_of(&want[i])
+    ))
+}
+
+/// Rank `r`'s input for call `c` and every rank's expected sum.
+fn call_data<T: Element>(ctx: &Ctx, c: u64, n: usize) -> (Vec<T>, Vec<T>) {
+    (
+        verify::input::<T>(SEED, c, ctx.rank, n),
+        verify::expected::<T>(SEED, c, ctx.n, n),
+    )
+}
+
+/// Rank `rank`'s input for call `call`, of widely varied magnitude (the
+/// former gpu_check's inputs): finite values m·2^e with e over most of the
+/// type's range, so that sums exercise rounding, ties, subnormals and (f16)
+/// overflow to infinity, and a few small integers, so that cancellations
+/// are likely. Rounded to `T` by the reference's own rounding.
+fn wide<T: Element>(call: u64, rank: usize, count: usize) -> Vec<T> {
+    let mut rng = StdRng::seed_from_u64(
+        SEED ^ call.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ (rank as u64 + 1).wrapping_mul(0xC2B2_AE3D_27D4_EB4F),
+    );
+    let (lo, hi) = match T::DTYPE {
+        Dtype::F16 => (-20, 15),
+        Dtype::Bf16 => (-40, 40),
+        Dtype::F32 => (-60, 60),
+    };
+    (0..count)
+        .map(|_| {
+            let m: f32 = rng.gen_range(1.0..2.0);
+            let s = if rng.gen_bool(0.5) { -1.0 } else { 1.0 };
+            let x = s * m * 2f32.powi(rng.gen_range(lo..=hi));
+            if rng.gen_ratio(1, 16) {
+                verify::round_to(rng.gen_range(-4i32..=4) as f32)
+            } else {
+                verify::round_to(x)
+            }
+        })
+        .collect()
+}
+
+/// This rank's [`wide`] input for call `call` and the reference sum of
+/// every rank's.
+fn wide_data<T: Element>(ctx: &Ctx, call: u64, count: usize) -> (Vec<T>, Vec<T>) {
+    let parts: Vec<Vec<T>> = (0..ctx.n).map(|r| wide::<T>(call, r, count)).collect();
+    let want = verify::reference(&parts);
+    (parts[ctx.rank].clone(), want)
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Placement {
+    OutOfPlace,
+    InPlace,
+    /// Input and output one element past a 16-byte boundary
+    /// (`allreduce_raw`): the kernel's scalar path.
+    Unaligned,
+}
+
+/// One checked call of `count` elements on [`wide`] input `call`, its
+/// output poisoned first; the result is folded into the case's digest.
+fn checked_call<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    call: u64,
+    count: usize,
+    how: Placement,
+) -> R {
+    let (mine, want) = wide_data::<T>(ctx, call, count);
+    let got: Vec<T> = match how {
+        Placement::OutOfPlace => {
+            let din = up(s, &mine)?;
+            let mut dout = poisoned::<T>(s, count)?;
+            arx.allreduce(&din, &mut dout, s).map_err(e("allreduce"))?;
+            arx.check().map_err(e("check"))?;
+            down(s, &dout)?
+        }
+        Placement::InPlace => {
+            let mut buf = up(s, &mine)?;
+            arx.allreduce_in_place(&mut buf, s)
+                .map_err(e("allreduce_in_place"))?;
+            arx.check().map_err(e("check"))?;
+            down(s, &buf)?
+        }
+        Placement::Unaligned => {
+            let mut padded = vec![verify::round_to::<T>(0.0)];
+            padded.extend_from_slice(&mine);
+            let din = up(s, &padded)?;
+            let mut dout = poisoned::<T>(s, count + 1)?;
+            {
+                let (pi, _gi) = din.device_ptr(s);
+                let (po, _go) = dout.device_ptr_mut(s);
+                let sz = std::mem::size_of::<T>() as u64;
+                // SAFETY: both allocations hold count+1 elements, so the
+                // addresses one element in are valid for `count`; they live
+                // until after `check` below synchronized the stream.
+                unsafe { arx.allreduce_raw(pi + sz, po + sz, count, T::DTYPE, s.cu_stream()) }
+                    .map_err(e("allreduce_raw"))?;
+            }
+            arx.check().map_err(e("check"))?;
+            let v = down(s, &dout)?;
+            if bytemuck::bytes_of(&v[0]).iter().any(|&b| b != 0xff) {
+                return Err(format!(
+                    "{count} x {} unaligned: the element before the output was written",
+                    T::DTYPE.name()
+                ));
+            }
+            v[1..].to_vec()
+        }
+    };
+    ctx.fold(&got);
+    compare(
+        &format!("call {call}: {count} x {} ({how:?})", T::DTYPE.name()),
+        &got,
+        &want,
+    )
+}

@@ -1,0 +1,406 @@
+//! Cases where ranks disagree, fail, stop or start late: every rank must
+//! get an error naming the rank and the setting or call, in bounded time.
+
+use super::*;
+
+/// Expects an error on this rank; `ok` says which errors are right.
+pub(super) fn expect_err(
+    what: &str,
+    r: arx::Result<()>,
+    ok: impl Fn(&Error) -> bool,
+) -> Result<(), String> {
+    match r {
+        Ok(()) => Err(format!("{what}: expected an error, got Ok")),
+        Err(e) if ok(&e) => Ok(()),
+        Err(e) => Err(format!("{what}: unexpected error: {e}")),
+    }
+}
+
+pub(super) fn config_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.rank == ctx.n - 1;
+    let b = if odd {
+        builder().slot_bytes(128 << 10)
+    } else {
+        builder()
+    };
+    let t = Instant::now();
+    let r = b.build(ctx.world).map(|_| ());
+    expect_err(
+        "mismatched slot size",
+        r,
+        |e| matches!(e, Error::Mismatch { what, rank, .. } if *what == "ARX_SLOT_BYTES" && *rank == ctx.n - 1),
+    )?;
+    // A fabric mismatch is named too.
+    let b = if odd {
+        builder().fabric(FabricKind::Verbs)
+    } else {
+        builder().fabric(FabricKind::Shm)
+    };
+    let r = b.build(ctx.world).map(|_| ());
+    expect_err(
+        "mismatched fabric",
+        r,
+        |e| matches!(e, Error::Mismatch { what, rank, .. } if *what == "ARX_FABRIC" && *rank == ctx.n - 1),
+    )?;
+    if t.elapsed() > Duration::from_secs(30) {
+        return Err(format!("mismatch detection took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+pub(super) fn length_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 100, false)?;
+    let count = if ctx.rank == ctx.n - 1 { 101 } else { 100 };
+    let input = verify::input::<f32>(SEED, 2, ctx.rank, count);
+    let mut out = vec![0f32; count];
+    let r = arx.allreduce_host(&input, &mut out);
+    let last = ctx.n - 1;
+    expect_err("length mismatch", r, |e| match e {
+        Error::CallMismatch {
+            peer, theirs, ours, ..
+        } => {
+            if ctx.rank == last {
+                ours.count == 101 && theirs.count == 100
+            } else {
+                *peer == last && theirs.count == 101
+            }
+        }
+        // Ranks that did not look at the odd rank's flag first may time out
+        // only if they saw no mismatch at all; that is a failure.
+        _ => false,
+    })?;
+    // The instance stays failed: the next call returns the error again.
+    expect_err(
+        "call after failure",
+        arx.allreduce_host(&input, &mut out),
+        |_| true,
+    )
+}
+
+pub(super) fn dtype_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let r = if ctx.rank == 0 {
+        let i = verify::input::<f16>(SEED, 1, ctx.rank, 64);
+        arx.allreduce_host(&i, &mut [f16::ZERO; 64])
+    } else {
+        let i = verify::input::<bf16>(SEED, 1, ctx.rank, 64);
+        arx.allreduce_host(&i, &mut [bf16::ZERO; 64])
+    };
+    expect_err("dtype mismatch", r, |e| match e {
+        Error::CallMismatch { theirs, ours, .. } => {
+            if ctx.rank == 0 {
+                ours.kind == CallKind::Reduce(Dtype::F16)
+                    && theirs.kind == CallKind::Reduce(Dtype::Bf16)
+            } else {
+                theirs.kind == CallKind::Reduce(Dtype::F16)
+            }
+        }
+        _ => false,
+    })
+}
+
+pub(super) fn too_long(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let max = arx.max_count::<f32>();
+    let count = if ctx.rank == 1 { max + 1 } else { max };
+    let input = verify::input::<f32>(SEED, 1, ctx.rank, count);
+    let mut out = vec![0f32; count];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    expect_err("too long on rank 1", r, |e| match e {
+        Error::InvalidArgument(m) => ctx.rank == 1 && m.contains("exceed"),
+        Error::CallMismatch { peer, theirs, .. } => {
+            ctx.rank != 1 && *peer == 1 && theirs.kind == CallKind::Refused
+        }
+        _ => false,
+    })?;
+    // Refused at once, not by a timeout.
+    if t.elapsed() > arx.config().timeout / 2 {
+        return Err(format!("the refusal took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+/// Rank 0 stops calling and rank 1 refuses its call: every other rank must
+/// fail at once naming rank 1, although rank 0 (silent) comes first in its
+/// order of peers.
+pub(super) fn refusal_past_silence(ctx: &Ctx) -> Result<(), String> {
+    if ctx.n < 3 {
+        return Ok(()); // needs a silent rank, a refusing rank and a witness
+    }
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 100, false)?;
+    if ctx.rank == 0 {
+        return Ok(()); // silent
+    }
+    let max = arx.max_count::<f32>();
+    let count = if ctx.rank == 1 { max + 1 } else { 100 };
+    let input = verify::input::<f32>(SEED, 2, ctx.rank, count);
+    let mut out = vec![0f32; count];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    expect_err("refusal past a silent rank", r, |e| match e {
+        Error::InvalidArgument(_) => ctx.rank == 1,
+        Error::CallMismatch { peer, .. } => *peer == 1,
+        _ => false,
+    })?;
+    if t.elapsed() > arx.config().timeout / 2 {
+        return Err(format!(
+            "took {:?}: the refusal was not seen past the silent rank",
+            t.elapsed()
+        ));
+    }
+    Ok(())
+}
+
+pub(super) fn rank_stops(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1500);
+    let mut arx = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    checked::<bf16>(ctx, &mut arx, 1, 512, false)?;
+    if ctx.rank == ctx.n - 1 {
+        return Ok(()); // this rank stops calling
+    }
+    let input = verify::input::<bf16>(SEED, 2, ctx.rank, 512);
+    let mut out = vec![bf16::ZERO; 512];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    let waited = t.elapsed();
+    let last = ctx.n - 1;
+    expect_err(
+        "peer stopped",
+        r,
+        |e| matches!(e, Error::Timeout { detail, .. } if detail.contains(&format!("peer {last} lane 0: missing"))),
+    )?;
+    if waited < timeout || waited > timeout + Duration::from_secs(5) {
+        return Err(format!(
+            "timed out after {waited:?}, configured {timeout:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The start-up timeout bounds start-up: the last rank arrives after every
+/// other rank's (short) start-up timeout ran out; every rank, the late one
+/// included, returns a timeout within its bound. The call timeout stays
+/// long, to show that it is not the bound here.
+pub(super) fn bootstrap_timeout(ctx: &Ctx) -> Result<(), String> {
+    let init = Duration::from_millis(1500);
+    let late = ctx.rank == ctx.n - 1;
+    if late {
+        // Arrive after everyone else gave up. The late rank's start-up still
+        // matches the others' posted requests on arx's channel, so MPI's
+        // collectives (there, and on the world communicator) stay in step.
+        std::thread::sleep(init + Duration::from_millis(1500));
+    }
+    let t = Instant::now();
+    let r = builder()
+        .timeout(Duration::from_secs(60))
+        .init_timeout(init)
+        .build(ctx.world)
+        .map(|_| ());
+    let waited = t.elapsed();
+    expect_err(
+        "bootstrap with a missing rank",
+        r,
+        |e| matches!(e, Error::Timeout { during, .. } if during.starts_with("start-up")),
+    )?;
+    if waited > init + Duration::from_secs(5) {
+        return Err(format!(
+            "start-up gave up after {waited:?}, configured {init:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// Expects every rank to fail at once with a mismatch naming `what` and the
+/// last rank.
+pub(super) fn mismatch_named(
+    ctx: &Ctx,
+    label: &str,
+    r: arx::Result<()>,
+    waited: Duration,
+    what: &str,
+) -> Result<(), String> {
+    let odd = ctx.n - 1;
+    expect_err(
+        label,
+        r,
+        |e| matches!(e, Error::Mismatch { what: w, rank, .. } if *w == what && *rank == odd),
+    )?;
+    // Detected from the exchanged settings, not by a timeout (the start-up
+    // bound is 20 s here).
+    if waited > Duration::from_secs(10) {
+        return Err(format!("{label}: took {waited:?}"));
+    }
+    Ok(())
+}
+
+/// The last rank asks for another device side than the others: every rank
+/// fails at once naming that rank and ARX_DEVICE (whether or not a GPU is
+/// present: the settings are compared before any GPU is probed).
+pub(super) fn device_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.rank == ctx.n - 1;
+    for (theirs, ours) in [
+        (DeviceKind::Gpu, DeviceKind::Auto),
+        (DeviceKind::Host, DeviceKind::Auto),
+        (DeviceKind::Gpu, DeviceKind::Host),
+    ] {
+        let t = Instant::now();
+        let r = builder()
+            .device(if odd { theirs } else { ours })
+            .build(ctx.world)
+            .map(|_| ());
+        let label = format!("device {theirs:?} on the last rank, {ours:?} elsewhere");
+        mismatch_named(ctx, &label, r, t.elapsed(), "ARX_DEVICE")?;
+    }
+    // The ranks stay in step: an agreeing instance works afterwards.
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 777, false)
+}
+
+pub(super) fn staging_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.rank == ctx.n - 1;
+    let t = Instant::now();
+    let r = builder()
+        .staging(if odd {
+            Staging::CopyEngine
+        } else {
+            Staging::Sm
+        })
+        .build(ctx.world)
+        .map(|_| ());
+    mismatch_named(ctx, "staging", r, t.elapsed(), "ARX_STAGING")
+}
+
+/// One rank's setting is rejected locally: that rank returns its own error,
+/// every other rank fails at once naming it.
+pub(super) fn one_rank_bad_setting(ctx: &Ctx) -> Result<(), String> {
+    let odd = ctx.n - 1;
+    let b = if ctx.rank == odd {
+        builder().slot_bytes(0)
+    } else {
+        builder()
+    };
+    let t = Instant::now();
+    let r = b.build(ctx.world).map(|_| ());
+    expect_err("slot size 0 on the last rank", r, |e| match e {
+        Error::Config { .. } => ctx.rank == odd,
+        Error::PeerFailed { peer, .. } => ctx.rank != odd && *peer == odd,
+        _ => false,
+    })?;
+    if t.elapsed() > Duration::from_secs(10) {
+        return Err(format!("took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+/// Duration::MAX and ZERO are refused on every rank with an error naming
+/// the option; nothing panics (Duration::MAX used to overflow an Instant in
+/// the proxy's stop).
+pub(super) fn timeouts_out_of_range(ctx: &Ctx) -> Result<(), String> {
+    for t in [
+        Duration::MAX,
+        Duration::ZERO,
+        Duration::from_secs(25 * 3600),
+    ] {
+        let r = builder().timeout(t).build(ctx.world).map(|_| ());
+        expect_err(
+            &format!("timeout {t:?}"),
+            r,
+            |e| matches!(e, Error::Config { name, .. } if *name == "Builder::timeout"),
+        )?;
+        let r = builder().init_timeout(t).build(ctx.world).map(|_| ());
+        expect_err(
+            &format!("init_timeout {t:?}"),
+            r,
+            |e| matches!(e, Error::Config { name, .. } if *name == "Builder::init_timeout"),
+        )?;
+        let r = builder().stall_warn(t).build(ctx.world).map(|_| ());
+        expect_err(
+            &format!("stall_warn {t:?}"),
+            r,
+            |e| matches!(e, Error::Config { name, .. } if *name == "Builder::stall_warn"),
+        )?;
+    }
+    // The bounds themselves are accepted.
+    let mut arx = builder()
+        .timeout(arx::MAX_TIMEOUT)
+        .init_timeout(arx::MAX_TIMEOUT)
+        .build(ctx.world)
+        .map_err(|e| format!("timeout of 24 h: {e}"))?;
+    checked::<f32>(ctx, &mut arx, 1, 100, false)
+}
+
+/// Set-up may take longer than the call timeout: the last rank arrives
+/// 2.5 s late with a 1 s call timeout, and start-up still succeeds (it is
+/// bounded by the start-up timeout instead).
+pub(super) fn slow_start_up(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1000);
+    if ctx.rank == ctx.n - 1 {
+        std::thread::sleep(timeout + Duration::from_millis(1500));
+    }
+    let mut arx = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    checked::<bf16>(ctx, &mut arx, 1, 1000, false)
+}
+
+/// Start-up bounded by `init`, the calls by the usual timeout.
+pub(super) fn short_start_up(init: Duration) -> arx::Builder {
+    builder().init_timeout(init)
+}
+
+/// The last rank arrives late; every rank retries at once on a timeout, as
+/// a program would, doubling its start-up bound each time (so that a slow
+/// machine's set-up, bounded by the same timeout, does not decide the
+/// outcome). Every rank must end with a working instance.
+pub(super) fn retry_immediately(ctx: &Ctx) -> Result<(), String> {
+    if ctx.rank == ctx.n - 1 {
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    let t = Instant::now();
+    let mut init = Duration::from_millis(1500);
+    let mut attempts = 0;
+    let mut arx = loop {
+        attempts += 1;
+        match short_start_up(init).build(ctx.world) {
+            Ok(a) => break a,
+            Err(Error::Timeout { .. }) if attempts < 7 => init *= 2,
+            Err(e) => return Err(format!("attempt {attempts} after {:?}: {e}", t.elapsed())),
+        }
+    };
+    checked::<f32>(ctx, &mut arx, 1, 1000, false)
+}
+
+/// The last rank arrives after every other rank's start-up timed out; the
+/// late rank's own start-up times out too. Then every rank retries, and the
+/// retry works.
+pub(super) fn retry_after(ctx: &Ctx, comm: &SimpleCommunicator) -> Result<(), String> {
+    let init = Duration::from_millis(1500);
+    if ctx.rank == ctx.n - 1 {
+        std::thread::sleep(init + Duration::from_millis(1500));
+    }
+    let r = short_start_up(init).build(comm).map(|_| ());
+    expect_err("start-up with a late rank", r, |e| {
+        matches!(e, Error::Timeout { .. })
+    })?;
+    // The program agrees that start-up failed, on its own communicator.
+    ctx.world.barrier();
+    let mut arx = builder().build(comm).map_err(|e| format!("retry: {e}"))?;
+    checked::<f32>(ctx, &mut arx, 1, 1000, false)?;
+    checked::<bf16>(ctx, &mut arx, 2, 4097, true)
+}
+
+pub(super) fn retry_after_timeout(ctx: &Ctx) -> Result<(), String> {
+    retry_after(ctx, ctx.world)
+}
+
+pub(super) fn retry_on_fresh_comm(ctx: &Ctx) -> Result<(), String> {
+    let comm = ctx.world.duplicate();
+    retry_after(ctx, &comm)
+}
