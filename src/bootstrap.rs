@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use mpi::ffi;
 use mpi::raw::{AsRaw, FromRaw};
-use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::topology::SimpleCommunicator;
 
 use crate::error::{Error, Result};
 use crate::spin::Backoff;
@@ -292,6 +292,40 @@ fn channel_id(comm: ffi::MPI_Comm) -> Result<usize> {
     Ok(id)
 }
 
+/// Size and rank of a caller's raw handle, refusing `MPI_COMM_NULL` and
+/// inter-communicators with an error instead of MPI's fatal handler.
+///
+/// # Safety
+/// `comm` must be `MPI_COMM_NULL` or a live communicator handle.
+pub unsafe fn raw_size_rank(comm: ffi::MPI_Comm) -> Result<(usize, usize)> {
+    // SAFETY: reading rsmpi's copy of the MPI_COMM_NULL constant.
+    if comm == unsafe { ffi::RSMPI_COMM_NULL } {
+        return Err(Error::InvalidArgument(
+            "the communicator is MPI_COMM_NULL".into(),
+        ));
+    }
+    let mut inter: c_int = 0;
+    // SAFETY: `comm` is live (caller's contract); `inter` receives a flag.
+    check("MPI_Comm_test_inter", unsafe {
+        ffi::MPI_Comm_test_inter(comm, &mut inter)
+    })?;
+    if inter != 0 {
+        return Err(Error::InvalidArgument(
+            "the communicator is an inter-communicator; arx needs an intra-communicator".into(),
+        ));
+    }
+    let (mut size, mut rank): (c_int, c_int) = (0, 0);
+    // SAFETY: as above; each call writes one integer.
+    check("MPI_Comm_size", unsafe {
+        ffi::MPI_Comm_size(comm, &mut size)
+    })?;
+    // SAFETY: as above.
+    check("MPI_Comm_rank", unsafe {
+        ffi::MPI_Comm_rank(comm, &mut rank)
+    })?;
+    Ok((size as usize, rank as usize))
+}
+
 fn set_errors_return(comm: ffi::MPI_Comm) -> Result<()> {
     // SAFETY: `comm` is a live communicator of ours.
     check("MPI_Comm_set_errhandler", unsafe {
@@ -304,15 +338,19 @@ impl Bootstrap {
     /// settings record (`record` is this rank's, of a fixed size), each step
     /// bounded by `timeout`. Resumes a start-up on `comm` that timed out
     /// earlier on this rank (see the module docs).
-    pub fn start<C: Communicator>(
-        comm: &C,
+    ///
+    /// # Safety
+    /// `comm` must be a live communicator handle (not freed); it may be
+    /// `MPI_COMM_NULL` or an inter-communicator, which are refused.
+    pub unsafe fn start_raw(
+        comm: ffi::MPI_Comm,
         timeout: Duration,
         record: &[u8],
     ) -> Result<(Self, Vec<Vec<u8>>)> {
         usable("MPI_Comm_idup")?;
-        let world = comm.size() as usize;
-        let rank = comm.rank() as usize;
-        let id = channel_id(comm.as_raw())?;
+        // SAFETY: the caller's contract.
+        let (world, rank) = unsafe { raw_size_rank(comm)? };
+        let id = channel_id(comm)?;
         let taken = CHANNELS
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -321,7 +359,7 @@ impl Bootstrap {
         let mut ch = match taken {
             Some(ch) => ch,
             // SAFETY: the caller's communicator is live (it was just used).
-            None => Channel::Posted(unsafe { PostedDup::post(comm.as_raw())? }),
+            None => Channel::Posted(unsafe { PostedDup::post(comm)? }),
         };
         let r = Self::advance(&mut ch, rank, world, timeout, record);
         CHANNELS

@@ -85,9 +85,24 @@ impl Builder {
     /// the start-up timeout. Every rank returns an error if any rank fails
     /// or disagrees; see the crate docs (Guarantees) for a timeout.
     pub fn build<C: Communicator>(self, comm: &C) -> Result<Arx> {
+        // SAFETY: an rsmpi communicator is a live intra-communicator.
+        unsafe { self.build_raw(comm.as_raw()) }
+    }
+
+    /// [`Builder::build`] on a raw `MPI_Comm` handle, for programs whose
+    /// communicator does not come from rsmpi (the C ABI, the Python
+    /// module). The handle stays the caller's: arx duplicates it and never
+    /// frees it. `MPI_COMM_NULL` and inter-communicators are refused.
+    ///
+    /// # Safety
+    /// `comm` must be `MPI_COMM_NULL` or a live communicator handle of the
+    /// MPI library this process runs (not freed before this returns).
+    pub unsafe fn build_raw(self, comm: mpi::ffi::MPI_Comm) -> Result<Arx> {
         // Before any MPI call (even MPI_Comm_size): outside MPI_Init ..
         // MPI_Finalize, Open MPI aborts the process.
         bootstrap::usable("MPI_Comm_idup")?;
+        // SAFETY: the caller's contract.
+        let (world, rank) = unsafe { bootstrap::raw_size_rank(comm)? };
         // A bad setting on one rank must fail every rank at once, not leave
         // the others waiting: every rank sends its settings or its refusal
         // in the first collective, of one fixed shape.
@@ -96,9 +111,9 @@ impl Builder {
             Ok(c) => c.init_timeout,
             Err(_) => Config::init_timeout_or_default(&self.o),
         };
-        let record =
-            wire::Settings::local(comm.size() as usize, comm.rank() as usize, &cfg).encode();
-        let (boot, all) = Bootstrap::start(comm, init_timeout, &record)?;
+        let record = wire::Settings::local(world, rank, &cfg).encode();
+        // SAFETY: the caller's contract.
+        let (boot, all) = unsafe { Bootstrap::start_raw(comm, init_timeout, &record)? };
         let cfg = wire::agree_settings(cfg, &all)?;
         crate::establish::establish(boot, cfg)
     }
