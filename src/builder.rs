@@ -7,13 +7,14 @@ use mpi::topology::Communicator;
 
 use crate::bootstrap::{self, Bootstrap};
 use crate::config::{self, Config, DeviceKind, FabricKind, SpinMode, Staging};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::{wire, Arx};
 
 /// Options for [`Arx`]; each overrides its `ARX_*` environment variable.
 #[derive(Debug, Clone, Default)]
 pub struct Builder {
     o: config::Overrides,
+    refused: Option<Error>,
 }
 
 impl Builder {
@@ -81,6 +82,17 @@ impl Builder {
         self
     }
 
+    /// Makes [`Builder::build`] fail on this rank with `reason`, after
+    /// taking part in the first collective step of start-up, so that every
+    /// other rank fails at once with [`Error::PeerFailed`] naming this rank
+    /// and carrying `reason`'s message (instead of waiting for the start-up
+    /// timeout). For bindings that check settings of their own (the C
+    /// ABI's config struct, the Python module's keyword arguments).
+    pub fn refuse(mut self, reason: Error) -> Self {
+        self.refused.get_or_insert(reason);
+        self
+    }
+
     /// Creates the instance: collective over `comm`, each step bounded by
     /// the start-up timeout. Every rank returns an error if any rank fails
     /// or disagrees; see the crate docs (Guarantees) for a timeout.
@@ -106,7 +118,10 @@ impl Builder {
         // A bad setting on one rank must fail every rank at once, not leave
         // the others waiting: every rank sends its settings or its refusal
         // in the first collective, of one fixed shape.
-        let cfg = Config::resolve(&self.o);
+        let cfg = match self.refused {
+            Some(e) => Err(e),
+            None => Config::resolve(&self.o),
+        };
         let init_timeout = match &cfg {
             Ok(c) => c.init_timeout,
             Err(_) => Config::init_timeout_or_default(&self.o),

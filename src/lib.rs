@@ -344,6 +344,14 @@ impl Arx {
         self.device.check()
     }
 
+    /// [`Arx::check`] without waiting for the GPU: the first error of this
+    /// instance recorded so far (by an earlier call, a kernel that already
+    /// failed, or the proxy), or `Ok` while there is none. Calls still
+    /// queued on the GPU may fail later.
+    pub fn async_error(&mut self) -> Result<()> {
+        self.device.ready()
+    }
+
     /// The CUDA context of the GPU device side (None on the host side).
     pub fn cuda_context(&self) -> Option<&Arc<CudaContext>> {
         self.device.cuda_context()

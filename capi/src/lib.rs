@@ -1,0 +1,315 @@
+//! The C ABI of arx: the functions of `include/arx.h` (generated from this
+//! crate by cbindgen, see `capi/cbindgen.toml`), built as `libarx.so` and
+//! `libarx.a` by `scripts/install`. docs/C.md is the C user's manual: the
+//! API, the mapping from arx's errors to `arxResult_t`, the threading
+//! rules and the install.
+//!
+//! Every entry point runs inside [`error::guard`] (or [`comm::with_comm`]),
+//! which catches panics (`arxInternalError`) so that none crosses into C;
+//! the crate must therefore be built with `panic = "unwind"` (checked
+//! below).
+
+// C names: arxComm, arxCommInit(mpiComm, ...), as include/arx.h spells them.
+#![allow(non_camel_case_types, non_snake_case)]
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+#[cfg(panic = "abort")]
+compile_error!("arx-capi catches panics at the C boundary: build it with panic = \"unwind\"");
+
+mod call;
+mod comm;
+mod config;
+mod error;
+pub mod types;
+
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::Once;
+
+use arx::{Builder, Error};
+
+pub use comm::arxComm;
+use error::{guard, Failure};
+pub use types::*;
+
+/// `ARX_LOG` (default `warn`) sets what arx logs to stderr; installed once,
+/// at the first `arxCommInit`.
+fn init_logging() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let env = env_logger::Env::new()
+            .filter_or("ARX_LOG", "warn")
+            .write_style("ARX_LOG_STYLE");
+        // Fails only if the process already has a `log` logger (another
+        // Rust library in it set one): then arx logs through that one.
+        let _ = env_logger::Builder::from_env(env).try_init();
+    });
+}
+
+/// Writes `value` through `out`, or refuses a NULL `out`.
+///
+/// # Safety
+/// `out` is NULL or valid for a write of one `T`.
+unsafe fn put<T>(out: *mut T, what: &str, value: T) -> Result<(), Failure> {
+    if out.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL and writable (the caller's contract).
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Stores `ARX_VERSION_CODE` of this library in `*version`.
+///
+/// # Safety
+/// `version` is NULL (refused) or valid for a write of one `int`.
+#[no_mangle]
+pub unsafe extern "C" fn arxGetVersion(version: *mut c_int) -> RawResult {
+    // SAFETY: the caller's contract.
+    guard("arxGetVersion", || unsafe {
+        put(version, "version", ARX_VERSION_CODE)
+    })
+}
+
+/// A static, human-readable description of a result code (any value: an
+/// unknown one gets "unknown arxResult_t value"). Never NULL.
+#[no_mangle]
+pub extern "C" fn arxGetErrorString(result: RawResult) -> *const c_char {
+    error::describe(result).as_ptr()
+}
+
+/// The full message of the last failure: with a comm, of the last failed
+/// call on that comm, valid until the next call on that comm (or its
+/// `arxCommDestroy`); with NULL, of the last failed call of the calling
+/// thread (any function, `arxCommInit` included), valid until that
+/// thread's next call. An empty string when there was none. Never NULL.
+///
+/// # Safety
+/// `comm` is NULL or a live comm.
+#[no_mangle]
+pub unsafe extern "C" fn arxGetLastError(comm: arxComm_t) -> *const c_char {
+    if comm.is_null() {
+        return error::thread_error();
+    }
+    // Nothing here can panic but a bug; the message then says so.
+    let r = std::panic::catch_unwind(|| {
+        // SAFETY: the caller's contract.
+        unsafe { comm::last_error(comm) }
+    });
+    r.unwrap_or(c"arxGetLastError: internal error (panic)".as_ptr())
+}
+
+/// Creates a communicator over `mpiComm` (collective: every rank of
+/// `mpiComm` calls it). `config` may be NULL: every setting then comes from
+/// its `ARX_*` environment variable, else its default. On failure `*comm`
+/// is NULL and every rank fails (a rank that refuses its settings makes
+/// the others fail at once with `arxPeerFailed`); the message is
+/// `arxGetLastError(NULL)`. arx duplicates `mpiComm` (once per MPI
+/// communicator, cached on it) and never frees or uses it otherwise.
+///
+/// # Safety
+/// `comm` is NULL (refused) or writable; `mpiComm` is `MPI_COMM_NULL`
+/// (refused) or a live communicator; `config` is NULL or an `arxConfig_t`
+/// made from `ARX_CONFIG_INITIALIZER`.
+#[no_mangle]
+pub unsafe extern "C" fn arxCommInit(
+    comm: *mut arxComm_t,
+    mpiComm: MPI_Comm,
+    config: *const arxConfig_t,
+) -> RawResult {
+    guard("arxCommInit", || {
+        init_logging();
+        if !comm.is_null() {
+            // SAFETY: writable (the caller's contract).
+            unsafe { comm.write(std::ptr::null_mut()) };
+        }
+        mpi_usable()?;
+        // SAFETY: the caller's contract.
+        let builder = match unsafe { config::builder(config) } {
+            Ok(b) => b,
+            Err(e) => Builder::default().refuse(e),
+        };
+        let builder = if comm.is_null() {
+            builder.refuse(Error::InvalidArgument("comm (arxComm_t*) is NULL".into()))
+        } else {
+            builder
+        };
+        // SAFETY: `mpiComm` is MPI_COMM_NULL or live (the caller's
+        // contract); MPI is initialised and not finalized (checked).
+        let arx = unsafe { builder.build_raw(mpiComm) }?;
+        // SAFETY: non-NULL (else refused above) and writable.
+        unsafe { comm.write(arxComm::create(arx)) };
+        Ok(())
+    })
+}
+
+/// MPI must be between `MPI_Init` and `MPI_Finalize` (Open MPI aborts the
+/// process on a call outside; arx would refuse with a system error).
+fn mpi_usable() -> Result<(), Failure> {
+    let (mut init, mut fin): (c_int, c_int) = (0, 0);
+    // SAFETY: both may be called at any time, even outside MPI_Init ..
+    // MPI_Finalize; each writes one int.
+    unsafe {
+        mpi::ffi::MPI_Initialized(&mut init);
+        mpi::ffi::MPI_Finalized(&mut fin);
+    }
+    if fin != 0 {
+        Err(Failure::usage("MPI is already finalized"))
+    } else if init == 0 {
+        Err(Failure::usage(
+            "MPI is not initialised (call MPI_Init first)",
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// Frees a communicator: waits for its GPU work, stops its proxy thread
+/// and (over RDMA) closes with its peers, bounded by the call timeout. Call
+/// it on every rank, before `MPI_Finalize` (after it, arx frees its memory
+/// without any MPI call). `comm` must not be used afterwards.
+///
+/// # Safety
+/// `comm` is NULL (refused) or a live comm that no other thread uses
+/// during or after the call.
+#[no_mangle]
+pub unsafe extern "C" fn arxCommDestroy(comm: arxComm_t) -> RawResult {
+    // SAFETY: the caller's contract.
+    unsafe { comm::destroy(comm) }
+}
+
+/// Stores the number of ranks of `comm` in `*count`.
+///
+/// # Safety
+/// `comm` is NULL (refused) or live; `count` is NULL (refused) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn arxCommCount(comm: arxComm_t, count: *mut c_int) -> RawResult {
+    guard("arxCommCount", || {
+        // SAFETY: the caller's contract.
+        let c = unsafe { comm::comm_ref(comm)? };
+        // SAFETY: the caller's contract.
+        unsafe { put(count, "count", c.count()) }
+    })
+}
+
+/// Stores this rank's number in `comm` (its rank in the MPI communicator)
+/// in `*rank`.
+///
+/// # Safety
+/// `comm` is NULL (refused) or live; `rank` is NULL (refused) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn arxCommUserRank(comm: arxComm_t, rank: *mut c_int) -> RawResult {
+    guard("arxCommUserRank", || {
+        // SAFETY: the caller's contract.
+        let c = unsafe { comm::comm_ref(comm)? };
+        // SAFETY: the caller's contract.
+        unsafe { put(rank, "rank", c.rank()) }
+    })
+}
+
+/// Stores in `*asyncError` the first error of `comm` recorded so far (by
+/// an earlier call, a GPU kernel that already failed, or the proxy
+/// thread), or `arxSuccess`; it does not wait for the GPU. Once a comm has
+/// failed it stays failed: every later call returns that error, whose
+/// message is `arxGetLastError(comm)`. Returns `arxSuccess` when it could
+/// look.
+///
+/// # Safety
+/// `comm` is NULL (refused) or live; `asyncError` is NULL (refused) or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn arxCommGetAsyncError(
+    comm: arxComm_t,
+    asyncError: *mut RawResult,
+) -> RawResult {
+    let name = "arxCommGetAsyncError";
+    let mut found = arxResult_t::arxSuccess as RawResult;
+    let f = |_: &arxComm, st: &mut comm::State| {
+        if asyncError.is_null() {
+            return Err(Failure::invalid("asyncError is NULL"));
+        }
+        // The comm's error is the answer, not a failure of this call.
+        if let Err(e) = st.arx.async_error() {
+            let f = Failure::from(e);
+            st.record(name, &f);
+            found = f.code as RawResult;
+        }
+        Ok(())
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    let r = unsafe { comm::with_comm(name, comm, f) };
+    if r == arxResult_t::arxSuccess as RawResult {
+        // SAFETY: non-NULL (checked) and writable (the caller's contract).
+        unsafe { asyncError.write(found) };
+    }
+    r
+}
+
+/// All-reduce of `count` elements of `datatype` from `sendbuff` into
+/// `recvbuff` (device memory of the comm's CUDA device), enqueued on
+/// `stream` (`NULL` is the legacy default stream); returns once enqueued,
+/// and may be captured into a CUDA graph. `sendbuff == recvbuff` is in
+/// place. Errors the kernel records come back from the next call or
+/// `arxCommGetAsyncError`; a failed kernel writes NaN to `recvbuff`. Needs
+/// a comm on the GPU side (`arxInvalidUsage` otherwise).
+///
+/// # Safety
+/// Both buffers are device memory of the comm's device, valid for `count`
+/// elements until the call completes on `stream`; `stream` is a live
+/// stream of that device; `comm` is NULL (refused) or live.
+#[no_mangle]
+pub unsafe extern "C" fn arxAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    comm: arxComm_t,
+    stream: cudaStream_t,
+) -> RawResult {
+    let f = |c: &arxComm, st: &mut comm::State| {
+        let d = call::dtype(datatype)?;
+        call::op(op)?;
+        let b = call::Buffers::check(sendbuff, recvbuff, count, d)?;
+        if !c.gpu() {
+            return Err(Failure::usage(
+                "this comm runs the host side (no usable GPU on some rank, or arxDeviceHost): \
+                 use arxAllReduceHost, or set arxConfig_t.device = arxDeviceGpu",
+            ));
+        }
+        // SAFETY: the buffers and the stream are the caller's contract.
+        unsafe { call::device(&mut st.arx, &b, stream) }
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxAllReduce", comm, f) }
+}
+
+/// All-reduce of `count` elements of `datatype` from `sendbuff` into
+/// `recvbuff`, both host memory; returns when the result is in
+/// `recvbuff`. `sendbuff == recvbuff` is in place. Works on a comm of
+/// either side (on the GPU side it synchronizes the GPU first).
+///
+/// # Safety
+/// `sendbuff` is readable and `recvbuff` writable for `count` elements of
+/// `datatype` (aligned to the element), and nothing else touches them
+/// during the call; `comm` is NULL (refused) or live.
+#[no_mangle]
+pub unsafe extern "C" fn arxAllReduceHost(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    comm: arxComm_t,
+) -> RawResult {
+    let f = |_: &arxComm, st: &mut comm::State| {
+        let d = call::dtype(datatype)?;
+        call::op(op)?;
+        let b = call::Buffers::check(sendbuff, recvbuff, count, d)?;
+        // SAFETY: the buffers are the caller's contract.
+        unsafe { call::host(&mut st.arx, &b) }
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxAllReduceHost", comm, f) }
+}
