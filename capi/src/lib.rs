@@ -4,7 +4,7 @@
 //! API, the mapping from arx's errors to `arxResult_t`, the threading
 //! rules and the install.
 //!
-//! Every entry point runs inside [`error::guard`] (or [`comm::with_comm`]),
+//! Every entry point runs inside `error::guard` (or `comm::with_comm`),
 //! which catches panics (`arxInternalError`) so that none crosses into C;
 //! the crate must therefore be built with `panic = "unwind"` (checked
 //! below).
@@ -313,3 +313,6 @@ pub unsafe extern "C" fn arxAllReduceHost(
     // SAFETY: `comm` is NULL or live (the caller's contract).
     unsafe { comm::with_comm("arxAllReduceHost", comm, f) }
 }
+
+#[cfg(test)]
+mod tests;

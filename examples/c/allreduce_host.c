@@ -30,10 +30,11 @@ static long checks, failures;
     do {                                                          \
         checks++;                                                 \
         if (!(cond)) {                                            \
-            failures++;                                           \
-            fprintf(stderr, "rank %d: FAIL line %d: ", rank, __LINE__); \
-            fprintf(stderr, __VA_ARGS__);                         \
-            fputc('\n', stderr);                                  \
+            if (++failures <= 20) { /* the first few say enough */ \
+                fprintf(stderr, "rank %d: FAIL line %d: ", rank, __LINE__); \
+                fprintf(stderr, __VA_ARGS__);                     \
+                fputc('\n', stderr);                              \
+            }                                                     \
         }                                                         \
     } while (0)
 
@@ -106,7 +107,7 @@ int main(int argc, char **argv) {
 
     /* Correct results: every type, several sizes up to the default slot
      * (1 MiB), out of place and in place. */
-    const size_t counts[] = {1, 3, 64, 1000, 4099, 65536, 262144};
+    const size_t counts[] = {0, 1, 3, 64, 1000, 4099, 65536, 262144};
     uint64_t call = 1;
     for (int t = arxFloat32; t <= arxBfloat16; t++)
         for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
