@@ -53,7 +53,13 @@ mod gpu;
 use gpu::*;
 
 #[derive(Parser, Debug)]
-#[command(about = "arx all-reduce sweep (nccl-tests style), with MPI_Allreduce for comparison")]
+// A later option wins over an earlier one (as with nccl-tests' getopt), so
+// that slurm/allreduce_perf.sbatch's defaults can be overridden by its
+// arguments.
+#[command(
+    about = "arx all-reduce sweep (nccl-tests style), with MPI_Allreduce for comparison",
+    args_override_self = true
+)]
 struct Args {
     /// Smallest size in bytes (K/M/G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8")]
