@@ -486,7 +486,7 @@ fn print_table_header(groups: &Layout) {
             join(&|f| format!("{:>w$}", f.1, w = f.2))
         ));
     }
-    println!("{t}");
+    println!("{}", t.trim_end());
     println!("{names}");
     println!("{units}");
 }
