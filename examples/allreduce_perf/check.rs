@@ -158,3 +158,96 @@ pub(super) fn tally<T: Element>(
     world.all_reduce_into(&local[..], &mut sum[..], SystemOperation::sum());
     (sum[0], sum[1])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    /// A sum in another order, rounded to T at every step (NCCL's ring for
+    /// bf16/f16): starting at rank `start`, each next rank adds its input.
+    fn ring_sum<T: Element>(inputs: &[Vec<T>], start: usize) -> Vec<T> {
+        let n = inputs.len();
+        (0..inputs[0].len())
+            .map(|i| {
+                let mut acc = inputs[start % n][i];
+                for k in 1..n {
+                    let x = inputs[(start + k) % n][i];
+                    acc = verify::round_to::<T>(verify::value_of(&acc) + verify::value_of(&x));
+                }
+                acc
+            })
+            .collect()
+    }
+
+    fn inputs<T: Element>(n: usize, count: usize) -> Vec<Vec<T>> {
+        (0..n).map(|r| verify::input(7, 1, r, count)).collect()
+    }
+
+    fn reordered_passes<T: Element>() {
+        let inp = inputs::<T>(8, 4096);
+        let got = ring_sum(&inp, 3);
+        let (want, tol) = want(&inp, true);
+        // Bit for bit, the other order differs...
+        assert!(
+            judge(&got, &want, None).0 > 0,
+            "{:?}: orders agree",
+            T::DTYPE
+        );
+        // ...and is within the bound.
+        let (wrong, inexact) = judge(&got, &want, tol.as_deref());
+        assert_eq!(wrong, 0, "{:?}", T::DTYPE);
+        assert!(inexact > 0, "{:?}", T::DTYPE);
+    }
+
+    #[test]
+    fn another_sum_order_is_inexact_not_wrong() {
+        reordered_passes::<bf16>();
+        reordered_passes::<f16>();
+        reordered_passes::<f32>();
+    }
+
+    #[test]
+    fn two_ranks_are_bit_exact_in_any_order() {
+        let inp = inputs::<bf16>(2, 4096);
+        let (want, _) = want(&inp, false);
+        assert_eq!(judge(&ring_sum(&inp, 1), &want, None), (0, 0));
+    }
+
+    #[test]
+    fn gross_errors_are_wrong() {
+        let inp = inputs::<bf16>(8, 64);
+        let (want, tol) = want(&inp, true);
+        let tol = tol.as_deref();
+        let mut got = ring_sum(&inp, 0);
+        // The bound is at most 8 ranks x 2^-8 x 64 = 2 here.
+        got[0] = verify::round_to(verify::value_of(&want[0]) + 4.0);
+        got[1] = verify::round_to(f32::NAN);
+        got[2] = verify::round_to(f32::INFINITY);
+        got[3] = verify::round_to(verify::value_of(&want[3]) - 4.0);
+        assert_eq!(judge(&got, &want, tol).0, 4);
+        let mut poisoned = want.clone();
+        verify::poison(&mut poisoned);
+        assert_eq!(judge(&poisoned, &want, tol).0, 64);
+    }
+
+    #[test]
+    fn in_place_graph_chain_is_within_bound() {
+        // A graph of in-place calls: the inputs, then n copies of the
+        // previous result each time, each call in another order; f16
+        // overflows on the way for some elements and not for others.
+        for (n, calls) in [(4, 7), (8, 5)] {
+            let inp = inputs::<f16>(n, 2048);
+            let mut got = ring_sum(&inp, 1);
+            let (mut want, mut tol) = want(&inp, true);
+            for k in 1..calls {
+                got = ring_sum(&vec![got; n], k + 1);
+                (want, tol) = chain(&want, tol.as_deref(), n);
+            }
+            let (wrong, _) = judge(&got, &want, tol.as_deref());
+            assert_eq!(wrong, 0, "{n} ranks");
+            let inf = want.iter().filter(|w| verify::value_of(*w).is_infinite());
+            assert!((1..want.len()).contains(&inf.count()), "{n} ranks");
+        }
+    }
+}

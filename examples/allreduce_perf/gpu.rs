@@ -119,9 +119,9 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// "1 GPU: host: NVIDIA H200 (…) (ranks 0,1 share it)" from every rank's
-/// host and GPU.
-fn devices_summary(hosts: &[String], gpus: &[String]) -> (String, usize) {
+/// "1 GPU(s) (ranks share GPUs: MPS needed): host: NVIDIA H200 (CUDA
+/// device 0, GPU-…) [rank 0,1]" from every rank's host and GPU.
+fn devices_summary(hosts: &[String], gpus: &[String]) -> String {
     let mut distinct: Vec<(String, Vec<usize>)> = vec![];
     for (r, (h, g)) in hosts.iter().zip(gpus).enumerate() {
         let key = format!("{h}: {g}");
@@ -143,7 +143,7 @@ fn devices_summary(hosts: &[String], gpus: &[String]) -> (String, usize) {
     } else {
         " (one rank per GPU)"
     };
-    (format!("{n} GPU(s){shared}: {}", parts.join("; ")), n)
+    format!("{n} GPU(s){shared}: {}", parts.join("; "))
 }
 
 pub(super) fn run_gpu(
@@ -167,7 +167,7 @@ pub(super) fn run_gpu(
     let host = host_name();
     let hosts = gather_text(world, &host);
     let gpus = gather_text(world, &gpu_desc(&ctx));
-    let (devices, _) = devices_summary(&hosts, &gpus);
+    let devices = devices_summary(&hosts, &gpus);
     let nccl = nccl::setup(world, &ctx, &host, args.no_nccl);
     let staging = match arx.config().staging {
         Staging::Sm => "sm",

@@ -110,3 +110,18 @@ pub(super) fn scalar(world: &SimpleCommunicator, a: Across, v: f64) -> f64 {
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_and_p99_by_rank() {
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!((median_sorted(&v), p99_sorted(&v)), (6.0, 10.0));
+        let v: Vec<f64> = (1..=200).map(f64::from).collect();
+        assert_eq!((median_sorted(&v), p99_sorted(&v)), (101.0, 198.0));
+        assert_eq!(p99_sorted(&[3.0]), 3.0);
+        assert!(p99_sorted(&[]).is_nan());
+    }
+}
