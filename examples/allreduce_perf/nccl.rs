@@ -194,10 +194,19 @@ fn try_setup(
 
     // NCCL refuses duplicate GPUs: say which ranks share one, before NCCL
     // fails on it (or, on some versions, worse).
-    let uuid = ctx.uuid().map_err(|e| format!("cuDeviceGetUuid: {e}"))?;
-    let uuid: Vec<u8> = uuid.bytes.iter().map(|&b| b as u8).collect();
-    let key = format!("{host}/{}", hex(&uuid));
+    // Every rank reaches the gather, whatever its own outcome (an early
+    // return on one rank would leave the others in a collective).
+    let key = match ctx.uuid() {
+        Ok(u) => {
+            let b: Vec<u8> = u.bytes.iter().map(|&b| b as u8).collect();
+            format!("{host}/{}", hex(&b))
+        }
+        Err(e) => format!("?cuDeviceGetUuid: {e}"),
+    };
     let keys = gather_text(world, &key);
+    if let Some((r, k)) = keys.iter().enumerate().find(|(_, k)| k.starts_with('?')) {
+        return Err(format!("rank {r}: {}", &k[1..]));
+    }
     for (i, a) in keys.iter().enumerate() {
         if let Some(j) = keys[i + 1..].iter().position(|b| b == a) {
             return Err(format!(
