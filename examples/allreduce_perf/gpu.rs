@@ -1,41 +1,158 @@
 //! The GPU instance's columns: arx on device buffers (eager or graph
-//! replays), beside CUDA-staged `MPI_Allreduce`.
+//! replays), CUDA-staged `MPI_Allreduce`, and NCCL where it runs.
 
 use super::*;
+use nccl::{Nccl, Setup};
 
-/// One column of the GPU table.
-#[derive(Default)]
-pub(super) struct GpuCol {
-    lat_us: f64,
-    time_us: f64,
-    wrong: u64,
+/// Who runs a GPU column.
+enum Who<'a> {
+    Arx(&'a mut Arx),
+    Nccl(&'a Nccl),
 }
 
-pub(super) struct GpuRow {
-    oop: GpuCol,
-    inp: GpuCol,
-    mpi_us: Option<f64>,
-}
+impl Who<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Who::Arx(_) => "arx",
+            Who::Nccl(_) => "NCCL",
+        }
+    }
 
-pub(super) fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
+    fn oop<T: Element + DeviceRepr>(
+        &mut self,
+        din: &CudaSlice<T>,
+        dout: &mut CudaSlice<T>,
+        s: &Arc<CudaStream>,
+    ) -> Result<(), String> {
+        match self {
+            Who::Arx(a) => a.allreduce(din, dout, s).map_err(|e| e.to_string()),
+            Who::Nccl(n) => {
+                let (src, _a) = din.device_ptr(s);
+                let (dst, _b) = dout.device_ptr_mut(s);
+                // SAFETY: two device allocations of `din.len()` elements on
+                // this context; callers keep them (and any graph that
+                // captured this call) alive until the stream has run it.
+                unsafe { n.all_reduce(src, dst, din.len(), T::DTYPE, s) }
+            }
+        }
+    }
+
+    fn inp<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        s: &Arc<CudaStream>,
+    ) -> Result<(), String> {
+        match self {
+            Who::Arx(a) => a.allreduce_in_place(buf, s).map_err(|e| e.to_string()),
+            Who::Nccl(n) => {
+                let len = buf.len();
+                let (p, _g) = buf.device_ptr_mut(s);
+                // SAFETY: as in `oop`, one allocation read and written in
+                // place.
+                unsafe { n.all_reduce(p, p, len, T::DTYPE, s) }
+            }
+        }
+    }
+
+    /// An error the calls recorded asynchronously.
+    fn check(&mut self) -> Result<(), String> {
+        match self {
+            Who::Arx(a) => a.check().map_err(|e| e.to_string()),
+            Who::Nccl(n) => n.check(),
+        }
+    }
 }
 
 pub(super) fn cuda<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
     move |e| format!("{what}: {e}")
 }
 
-#[allow(clippy::too_many_arguments)]
+/// One GPU table row.
+struct GpuRow {
+    oop: Col,
+    inp: Col,
+    mpi: Option<Col>,
+    nccl: Option<(Col, Col)>,
+}
+
+fn gpu_layout(args: &Args, nccl: bool) -> Layout {
+    let g = fields(Kind::Gpu, args.per_iter);
+    let mut l = vec![
+        ("arx out-of-place".to_string(), g.clone()),
+        ("arx in-place".to_string(), g.clone()),
+    ];
+    if !args.no_mpi {
+        l.push((
+            "CUDA-staged MPI_Allreduce".into(),
+            fields(Kind::Staged, args.per_iter),
+        ));
+        l.push(("".into(), vec![("speedup", "(x)", 7)]));
+    }
+    if nccl {
+        l.push(("NCCL out-of-place".into(), g.clone()));
+        l.push(("NCCL in-place".into(), g));
+    }
+    l
+}
+
+/// "NVIDIA H200 (CUDA device 0, GPU-…)" for this rank.
+fn gpu_desc(ctx: &Arc<arx::cudarc::driver::CudaContext>) -> String {
+    let name = ctx.name().unwrap_or_else(|e| format!("name unknown: {e}"));
+    let uuid = ctx.uuid().map_or_else(
+        |_| "uuid unknown".to_string(),
+        |u| {
+            let b: Vec<u8> = u.bytes.iter().map(|&x| x as u8).collect();
+            format!(
+                "GPU-{}-{}-{}-{}-{}",
+                hex(&b[0..4]),
+                hex(&b[4..6]),
+                hex(&b[6..8]),
+                hex(&b[8..10]),
+                hex(&b[10..16])
+            )
+        },
+    );
+    format!("{name} (CUDA device {}, {uuid})", ctx.ordinal())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// "1 GPU(s) (ranks share GPUs: MPS needed): host: NVIDIA H200 (CUDA
+/// device 0, GPU-…) [rank 0,1]" from every rank's host and GPU.
+fn devices_summary(hosts: &[String], gpus: &[String]) -> String {
+    let mut distinct: Vec<(String, Vec<usize>)> = vec![];
+    for (r, (h, g)) in hosts.iter().zip(gpus).enumerate() {
+        let key = format!("{h}: {g}");
+        match distinct.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, rs)) => rs.push(r),
+            None => distinct.push((key, vec![r])),
+        }
+    }
+    let parts: Vec<String> = distinct
+        .iter()
+        .map(|(k, rs)| {
+            let rs: Vec<String> = rs.iter().map(|r| r.to_string()).collect();
+            format!("{k} [rank {}]", rs.join(","))
+        })
+        .collect();
+    let n = distinct.len();
+    let shared = if n < hosts.len() {
+        " (ranks share GPUs: MPS needed)"
+    } else {
+        " (one rank per GPU)"
+    };
+    format!("{n} GPU(s){shared}: {}", parts.join("; "))
+}
+
 pub(super) fn run_gpu(
-    args: &Args,
-    world: &SimpleCommunicator,
+    run: &mut Run,
     arx: &mut Arx,
-    dtypes: &[&str],
-    min: usize,
-    max: usize,
-    check: bool,
+    dtypes: &[&'static str],
+    sizes: &[usize],
 ) -> Result<u64, String> {
+    let (args, world) = (run.args, run.world);
     let ctx = arx
         .cuda_context()
         .ok_or("no CUDA context on a GPU instance")?
@@ -44,25 +161,60 @@ pub(super) fn run_gpu(
     // and they would be recorded into captured graphs.
     // SAFETY: every slice below is used on `s` only.
     unsafe { ctx.disable_event_tracking() };
+    ctx.bind_to_thread().map_err(cuda("bind CUDA context"))?;
     let s = ctx.new_stream().map_err(cuda("new_stream"))?;
     let d = arx.describe();
-    let rank = world.rank();
-    if rank == 0 {
-        let gpu = ctx.name().unwrap_or_else(|e| format!("name unknown: {e}"));
-        println!("# arx allreduce_perf");
-        println!(
-            "# {} ranks | device gpu ({gpu}, CUDA device {} on rank 0) | staging {} | fabric {} ({}) | slot {} B",
-            d.world,
-            ctx.ordinal(),
-            match arx.config().staging {
-                Staging::Sm => "sm",
-                Staging::CopyEngine => "copy",
-            },
-            d.fabric,
-            d.fabric_detail,
-            d.slot_bytes
+    let host = host_name();
+    let hosts = gather_text(world, &host);
+    let gpus = gather_text(world, &gpu_desc(&ctx));
+    let devices = devices_summary(&hosts, &gpus);
+    let nccl = nccl::setup(world, &ctx, &host, args.no_nccl);
+    let staging = match arx.config().staging {
+        Staging::Sm => "sm",
+        Staging::CopyEngine => "copy",
+    };
+    if world.rank() == 0 {
+        common_header(run, &d, &hosts, &devices);
+        let r = &mut run.report;
+        r.set("staging", J::s(staging));
+        let settings = nccl::settings();
+        let set_line: Vec<String> = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let set_json = J::Obj(
+            settings
+                .iter()
+                .map(|(k, v)| (k.clone(), J::s(v.clone())))
+                .collect(),
         );
-        print_common_header(args, &d, check);
+        println!("# arx staging: {staging}");
+        match &nccl {
+            Setup::On(n) => {
+                println!(
+                    "# NCCL {}: ncclAllReduce beside arx, same buffers' sizes, same timing | {}",
+                    n.version,
+                    set_line.join(" ")
+                );
+                r.set(
+                    "nccl",
+                    J::obj(vec![
+                        ("status", J::s("run")),
+                        ("version", J::s(n.version.clone())),
+                        ("settings", set_json),
+                    ]),
+                );
+            }
+            Setup::Off(why) => {
+                println!("# NCCL: skipped: {why} | {}", set_line.join(" "));
+                r.set(
+                    "nccl",
+                    J::obj(vec![
+                        ("status", J::s("skipped")),
+                        ("reason", J::s(why.clone())),
+                        ("version", J::Null),
+                        ("settings", set_json),
+                    ]),
+                );
+            }
+        }
         if args.graph > 0 {
             println!(
                 "# launch: CUDA graph of {} calls per replay; lat = median of (MPI barrier, one replay, stream sync) / {}, time = back-to-back replays / calls",
@@ -71,111 +223,69 @@ pub(super) fn run_gpu(
         } else {
             println!("# launch: eager calls on one stream; lat = median of (MPI barrier, one call, stream sync), time = back-to-back calls, one sync, / calls");
         }
-        println!("# times: slowest rank's; algbw and busbw from time");
+        println!("# algbw and busbw from time; arx checked bit for bit, NCCL and MPI within the sum-order tolerance (docs/BENCHMARKS.md)");
         if !args.no_mpi {
-            println!("# CUDA-staged MPI_Allreduce: D2H to pinned memory, MPI_Allreduce float sum of the same bytes, H2D, stream sync; median (after an MPI barrier each), slowest rank; speedup = its lat / arx out-of-place lat");
+            println!("# CUDA-staged MPI_Allreduce: D2H to pinned memory, MPI_Allreduce float sum of the same bytes, H2D, stream sync; lat = median (after an MPI barrier each); speedup = its lat / arx out-of-place lat");
         }
         println!("#");
-        println!(
-            "# {:>10} {:>10} {:>9} {:>6} | {:^38} | {:^38} | {:^25} |",
-            "", "", "", "", "arx out-of-place", "arx in-place", "CUDA-staged MPI_Allreduce"
-        );
-        println!(
-            "# {:>10} {:>10} {:>9} {:>6} | {:>8} {:>8} {:>6} {:>6} {:>6} | {:>8} {:>8} {:>6} {:>6} {:>6} | {:>9} {:>7} {:>7} | {:>7}",
-            "size", "count", "type", "redop", "lat", "time", "algbw", "busbw", "#wrong", "lat", "time",
-            "algbw", "busbw", "#wrong", "lat", "algbw", "busbw", "speedup"
-        );
-        println!(
-            "# {:>10} {:>10} {:>9} {:>6} | {:>8} {:>8} {:>6} {:>6} {:>6} | {:>8} {:>8} {:>6} {:>6} {:>6} | {:>9} {:>7} {:>7} | {:>7}",
-            "(B)", "(elements)", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)",
-            "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "(x)"
-        );
+        print_table_header(&gpu_layout(args, matches!(nccl, Setup::On(_))));
     }
+    let nccl = match &nccl {
+        Setup::On(n) => Some(n),
+        Setup::Off(_) => None,
+    };
+    let launch = if args.graph > 0 { "graph" } else { "eager" };
+    let n = world.size() as usize;
     let mut total_wrong = 0;
-    let mut call = 0u64;
     for &dt in dtypes {
-        let mut size = min;
-        while size <= max {
+        for &size in sizes {
             let row = match dt {
-                "bfloat16" | "bf16" => {
-                    measure_gpu::<bf16>(args, world, arx, &s, size, check, &mut call)?
-                }
-                "half" | "f16" => measure_gpu::<f16>(args, world, arx, &s, size, check, &mut call)?,
-                _ => measure_gpu::<f32>(args, world, arx, &s, size, check, &mut call)?,
+                "bfloat16" => measure_gpu::<bf16>(run, arx, nccl, &s, size)?,
+                "half" => measure_gpu::<f16>(run, arx, nccl, &s, size)?,
+                _ => measure_gpu::<f32>(run, arx, nccl, &s, size)?,
             };
-            if let Some(row) = row {
-                total_wrong += row.oop.wrong + row.inp.wrong;
-                if rank == 0 {
-                    print_gpu_row(dt, size, world.size() as usize, &row, check);
+            let Some(row) = row else { continue };
+            let mut cols = vec![&row.oop, &row.inp];
+            cols.extend(row.mpi.as_ref());
+            if let Some((a, b)) = &row.nccl {
+                cols.extend([a, b]);
+            }
+            total_wrong += cols.iter().map(|c| c.wrong).sum::<u64>();
+            if world.rank() == 0 {
+                let pi = args.per_iter;
+                let count = size / if dt == "float" { 4 } else { 2 };
+                let gpu = |c: &Col| (widths(Kind::Gpu, pi), cells(Kind::Gpu, pi, c, size, n));
+                let mut g = vec![gpu(&row.oop), gpu(&row.inp)];
+                if let Some(m) = &row.mpi {
+                    g.push((
+                        widths(Kind::Staged, pi),
+                        cells(Kind::Staged, pi, m, size, n),
+                    ));
+                    let sp = match (m.median_us, row.oop.median_us) {
+                        (Some(a), Some(b)) => format!("{:.1}", a / b),
+                        _ => "-".into(),
+                    };
+                    g.push((vec![7], vec![sp]));
+                }
+                if let Some((a, b)) = &row.nccl {
+                    g.extend([gpu(a), gpu(b)]);
+                }
+                print_table_row(size, count, dt, &g);
+                for c in cols {
+                    run.report.record(size, count, dt, launch, n, c);
                 }
             }
-            size = size.saturating_mul(args.factor);
         }
     }
     arx.check().map_err(|e| e.to_string())?;
     Ok(total_wrong)
 }
 
-pub(super) fn print_gpu_row(dt: &str, size: usize, n: usize, r: &GpuRow, check: bool) {
-    let esize = if matches!(dt, "float" | "f32") { 4 } else { 2 };
-    let name = match dt {
-        "bf16" => "bfloat16",
-        "f16" => "half",
-        "f32" => "float",
-        d => d,
-    };
-    let bus = 2.0 * (n as f64 - 1.0) / n as f64;
-    let col = |c: &GpuCol| {
-        let alg = size as f64 / c.time_us / 1e3;
-        let wrong = if check {
-            c.wrong.to_string()
-        } else {
-            "N/A".into()
-        };
-        format!(
-            "{:>8.2} {:>8.2} {:>6.2} {:>6.2} {:>6}",
-            c.lat_us,
-            c.time_us,
-            alg,
-            alg * bus,
-            wrong
-        )
-    };
-    let mpi = match r.mpi_us {
-        Some(m) => {
-            let a = size as f64 / m / 1e3;
-            format!(
-                "{m:>9.2} {a:>7.2} {:>7.2} | {:>7.1}",
-                a * bus,
-                m / r.oop.lat_us
-            )
-        }
-        None => format!("{:>9} {:>7} {:>7} | {:>7}", "-", "-", "-", "-"),
-    };
-    println!(
-        "  {:>10} {:>10} {:>9} {:>6} | {} | {} | {}",
-        size,
-        size / esize,
-        name,
-        "sum",
-        col(&r.oop),
-        col(&r.inp),
-        mpi
-    );
-}
-
-/// What one timed unit launches: one eager call, or one replay of a graph
-/// of `-G` calls.
-enum Launch {
-    Eager,
-    Graph(CudaGraph),
-}
-
 /// Captures `n` calls made by `call` into one graph, uploaded.
-pub(super) fn capture(
+fn capture(
     s: &Arc<CudaStream>,
     n: usize,
-    mut call: impl FnMut() -> arx::Result<()>,
+    mut call: impl FnMut() -> Result<(), String>,
 ) -> Result<CudaGraph, String> {
     s.synchronize().map_err(cuda("synchronize"))?;
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -190,7 +300,7 @@ pub(super) fn capture(
     let g = s
         .end_capture(CUgraphInstantiate_flags(0))
         .map_err(cuda("end_capture"))?;
-    r.map_err(|e| format!("allreduce under capture: {e}"))?;
+    r.map_err(|e| format!("call under capture: {e}"))?;
     let g = g.ok_or("stream capture produced no graph")?;
     g.upload().map_err(cuda("graph upload"))?;
     Ok(g)
@@ -198,16 +308,16 @@ pub(super) fn capture(
 
 /// The former gpu_check bench's method: `warmup` units, then `iters`
 /// single units each after an MPI barrier and followed by a stream
-/// synchronize (median), then `iters` units back to back with one
-/// synchronize; each divided by `per_unit` calls; the slowest rank's.
-/// Returns (lat, time) in µs.
-pub(super) fn time_units(
+/// synchronize, then `iters` units back to back with one synchronize; each
+/// divided by `per_unit` calls. Returns (median, p99, time) in µs, combined
+/// across ranks by `-a`.
+fn time_units(
     args: &Args,
     world: &SimpleCommunicator,
     s: &Arc<CudaStream>,
     per_unit: usize,
     mut unit: impl FnMut() -> Result<(), String>,
-) -> Result<(f64, f64), String> {
+) -> Result<(f64, f64, f64), String> {
     let iters = args.iters.max(1);
     let per = per_unit.max(1) as f64;
     for _ in 0..args.warmup {
@@ -222,37 +332,22 @@ pub(super) fn time_units(
         s.synchronize().map_err(cuda("synchronize"))?;
         lat.push(t.elapsed().as_secs_f64() * 1e6 / per);
     }
-    let lat = slowest(world, median(&mut lat));
+    let (med, p99) = stats::samples(world, args.across, &lat);
     world.barrier();
     let t = Instant::now();
     for _ in 0..iters {
         unit()?;
     }
     s.synchronize().map_err(cuda("synchronize"))?;
-    let time = slowest(
+    let time = stats::scalar(
         world,
+        args.across,
         t.elapsed().as_secs_f64() * 1e6 / (iters as f64 * per),
     );
-    Ok((lat, time))
+    Ok((med, p99, time))
 }
 
-/// Rank `rank`'s wrong-element count summed over ranks, plus the whole
-/// buffer for every rank whose digest differs from rank 0's.
-pub(super) fn tally<T: Element>(world: &SimpleCommunicator, got: &[T], want: &[T]) -> u64 {
-    let n = world.size() as usize;
-    let mut local = verify::count_wrong(got, want) as u64;
-    let d = verify::digest(got);
-    let mut all = vec![0u64; n];
-    world.all_gather_into(&d, &mut all[..]);
-    if all.iter().any(|&x| x != all[0]) {
-        local += got.len() as u64; // ranks disagree: count the buffer wrong
-    }
-    let mut sum = 0u64;
-    world.all_reduce_into(&local, &mut sum, SystemOperation::sum());
-    sum
-}
-
-pub(super) fn poison_dev<T: Element + DeviceRepr>(
+fn poison_dev<T: Element + DeviceRepr>(
     s: &Arc<CudaStream>,
     d: &mut CudaSlice<T>,
 ) -> Result<(), String> {
@@ -261,7 +356,7 @@ pub(super) fn poison_dev<T: Element + DeviceRepr>(
     s.memcpy_htod(&h, d).map_err(cuda("poison"))
 }
 
-pub(super) fn down<T: DeviceRepr + Default + Clone>(
+fn down<T: DeviceRepr + Default + Clone>(
     s: &Arc<CudaStream>,
     d: &CudaSlice<T>,
 ) -> Result<Vec<T>, String> {
@@ -270,139 +365,181 @@ pub(super) fn down<T: DeviceRepr + Default + Clone>(
     Ok(v)
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(super) fn measure_gpu<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
-    args: &Args,
-    world: &SimpleCommunicator,
+/// Every rank's input of call `call`.
+fn inputs<T: Element>(seed: u64, call: u64, n: usize, count: usize) -> Vec<Vec<T>> {
+    (0..n)
+        .map(|r| verify::input(seed, call, r, count))
+        .collect()
+}
+
+fn measure_gpu<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    run: &mut Run,
     arx: &mut Arx,
+    nccl: Option<&Nccl>,
     s: &Arc<CudaStream>,
     size: usize,
-    check: bool,
-    call: &mut u64,
 ) -> Result<Option<GpuRow>, String> {
     let count = size / std::mem::size_of::<T>();
     if count == 0 {
         return Ok(None);
     }
+    let oop = gpu_col::<T>(run, &mut Who::Arx(arx), s, false, count)?;
+    let inp = gpu_col::<T>(run, &mut Who::Arx(arx), s, true, count)?;
+    let mpi = if run.args.no_mpi {
+        None
+    } else {
+        Some(staged_mpi(run, s, size)?)
+    };
+    let nccl = match nccl {
+        Some(n) => Some((
+            gpu_col::<T>(run, &mut Who::Nccl(n), s, false, count)?,
+            gpu_col::<T>(run, &mut Who::Nccl(n), s, true, count)?,
+        )),
+        None => None,
+    };
+    Ok(Some(GpuRow {
+        oop,
+        inp,
+        mpi,
+        nccl,
+    }))
+}
+
+/// One call (out of place into `out`, or in place in `a`).
+fn one<T: Element + DeviceRepr>(
+    who: &mut Who,
+    s: &Arc<CudaStream>,
+    a: &mut CudaSlice<T>,
+    out: Option<&mut CudaSlice<T>>,
+) -> Result<(), String> {
+    match out {
+        Some(o) => who.oop(a, o, s),
+        None => who.inp(a, s),
+    }
+}
+
+/// One column at one size: timed, then (`--check`) checked. Out of place:
+/// the timed calls' last result, then three fresh inputs into poisoned
+/// outputs through the same eager call or graph. In place: the buffer
+/// holds the previous sum at each timed call (nccl-tests does the same);
+/// three fresh inputs are checked, and a graph of k in-place calls sums k
+/// times, and so does its reference.
+fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    run: &mut Run,
+    who: &mut Who,
+    s: &Arc<CudaStream>,
+    in_place: bool,
+    count: usize,
+) -> Result<Col, String> {
+    let (args, world, check) = (run.args, run.world, run.check);
     let rank = world.rank() as usize;
     let n = world.size() as usize;
     let seed = 0xa11_0ced;
-    let fail = |e: arx::Error| format!("{count} x {:?}: {e}", T::DTYPE);
-    let g = args.graph;
-    let per_unit = g.max(1);
+    // NCCL: checked within the sum-order tolerance, warmed up before capture.
+    let nccl = matches!(who, Who::Nccl(_));
+    let name = who.name();
+    let placement = if in_place { "in-place" } else { "out-of-place" };
+    let ctx = |e: String| format!("{name} {placement}, {count} x {:?}: {e}", T::DTYPE);
+    let per_unit = args.graph.max(1);
 
-    // Out of place.
-    *call += 1;
-    let timed_call = *call;
-    let mut din = s
+    run.call += 1;
+    let timed_call = run.call;
+    let mut a = s
         .clone_htod(&verify::input::<T>(seed, timed_call, rank, count))
         .map_err(cuda("htod"))?;
-    let mut dout = s.alloc_zeros::<T>(count).map_err(cuda("alloc"))?;
-    poison_dev(s, &mut dout)?;
-    let launch = if g > 0 {
-        Launch::Graph(capture(s, g, || arx.allreduce(&din, &mut dout, s))?)
-    } else {
-        Launch::Eager
-    };
-    let unit_oop = |arx: &mut Arx, din: &CudaSlice<T>, dout: &mut CudaSlice<T>| match &launch {
-        Launch::Eager => arx.allreduce(din, dout, s).map_err(fail),
-        Launch::Graph(gr) => gr.launch().map_err(cuda("graph launch")),
-    };
-    let (lat, time) = time_units(args, world, s, per_unit, || unit_oop(arx, &din, &mut dout))?;
-    arx.check().map_err(fail)?;
-    let mut oop = GpuCol {
-        lat_us: lat,
-        time_us: time,
-        wrong: 0,
-    };
-    if check {
-        // The timed calls' last result, then fresh inputs into poisoned
-        // outputs through the same call or graph.
-        let want = verify::expected::<T>(seed, timed_call, n, count);
-        oop.wrong += tally(world, &down(s, &dout)?, &want);
-        for _ in 0..3 {
-            *call += 1;
-            s.memcpy_htod(&verify::input::<T>(seed, *call, rank, count), &mut din)
-                .map_err(cuda("htod"))?;
-            poison_dev(s, &mut dout)?;
-            unit_oop(arx, &din, &mut dout)?;
-            arx.check().map_err(fail)?;
-            let want = verify::expected::<T>(seed, *call, n, count);
-            oop.wrong += tally(world, &down(s, &dout)?, &want);
-        }
-    }
-    drop(launch);
-    drop(dout);
-    drop(din);
-
-    // In place: the buffer holds the previous sum at each call (nccl-tests
-    // does the same); checked below on fresh inputs.
-    *call += 1;
-    let mut dbuf = s
-        .clone_htod(&verify::input::<T>(seed, *call, rank, count))
-        .map_err(cuda("htod"))?;
-    let launch = if g > 0 {
-        Launch::Graph(capture(s, g, || arx.allreduce_in_place(&mut dbuf, s))?)
-    } else {
-        Launch::Eager
-    };
-    let unit_inp = |arx: &mut Arx, dbuf: &mut CudaSlice<T>| match &launch {
-        Launch::Eager => arx.allreduce_in_place(dbuf, s).map_err(fail),
-        Launch::Graph(gr) => gr.launch().map_err(cuda("graph launch")),
-    };
-    let (lat, time) = time_units(args, world, s, per_unit, || unit_inp(arx, &mut dbuf))?;
-    arx.check().map_err(fail)?;
-    let mut inp = GpuCol {
-        lat_us: lat,
-        time_us: time,
-        wrong: 0,
-    };
-    if check {
-        for _ in 0..3 {
-            *call += 1;
-            s.memcpy_htod(&verify::input::<T>(seed, *call, rank, count), &mut dbuf)
-                .map_err(cuda("htod"))?;
-            unit_inp(arx, &mut dbuf)?;
-            arx.check().map_err(fail)?;
-            // A unit of k in-place calls sums k times: every rank holds the
-            // previous sum at each call after the first.
-            let mut want = verify::expected::<T>(seed, *call, n, count);
-            for _ in 1..per_unit {
-                want = verify::reference(&vec![want; n]);
-            }
-            inp.wrong += tally(world, &down(s, &dbuf)?, &want);
-        }
-    }
-    drop(launch);
-    drop(dbuf);
-
-    let mpi_us = if args.no_mpi {
+    let mut b = if in_place {
         None
     } else {
-        Some(staged_mpi(args, world, s, size)?)
+        let mut o = s.alloc_zeros::<T>(count).map_err(cuda("alloc"))?;
+        poison_dev(s, &mut o)?;
+        Some(o)
     };
-    Ok(Some(GpuRow { oop, inp, mpi_us }))
+    if args.graph > 0 && nccl {
+        // NCCL connects its transports at a communicator's first call of
+        // each algorithm (NCCL_RUNTIME_CONNECT), host work that does not
+        // belong inside a stream capture: one eager call first.
+        one(who, s, &mut a, b.as_mut()).map_err(ctx)?;
+        s.synchronize().map_err(cuda("synchronize"))?;
+    }
+    let graph = if args.graph > 0 {
+        Some(capture(s, args.graph, || one(who, s, &mut a, b.as_mut())).map_err(ctx)?)
+    } else {
+        None
+    };
+    let unit = |who: &mut Who, a: &mut CudaSlice<T>, b: Option<&mut CudaSlice<T>>| match &graph {
+        None => one(who, s, a, b),
+        Some(g) => g.launch().map_err(cuda("graph launch")),
+    };
+    let (med, p99, time) =
+        time_units(args, world, s, per_unit, || unit(who, &mut a, b.as_mut())).map_err(ctx)?;
+    who.check().map_err(ctx)?;
+    let mut col = Col {
+        name,
+        placement,
+        median_us: Some(med),
+        p99_us: args.per_iter.then_some(p99),
+        time_us: Some(time),
+        check: match (check, nccl) {
+            (false, _) => Check::Off,
+            (true, false) => Check::Exact,
+            (true, true) => Check::Tolerance,
+        },
+        wrong: 0,
+        inexact: 0,
+    };
+    if check {
+        let mut add = |(w, i): (u64, u64)| {
+            col.wrong += w;
+            col.inexact += i;
+        };
+        if let Some(out) = b.as_ref() {
+            let (want, tol) = check::want(&inputs::<T>(seed, timed_call, n, count), nccl);
+            add(check::tally(world, &down(s, out)?, &want, tol.as_deref()));
+        }
+        for _ in 0..3 {
+            run.call += 1;
+            s.memcpy_htod(&verify::input::<T>(seed, run.call, rank, count), &mut a)
+                .map_err(cuda("htod"))?;
+            if let Some(out) = b.as_mut() {
+                poison_dev(s, out)?;
+            }
+            unit(who, &mut a, b.as_mut()).map_err(ctx)?;
+            who.check().map_err(ctx)?;
+            let (mut want, mut tol) = check::want(&inputs::<T>(seed, run.call, n, count), nccl);
+            if in_place {
+                // Every rank holds the previous sum at each call after the
+                // first of the unit.
+                for _ in 1..per_unit {
+                    (want, tol) = check::chain(&want, tol.as_deref(), n);
+                }
+            }
+            let got = down(s, b.as_ref().unwrap_or(&a))?;
+            add(check::tally(world, &got, &want, tol.as_deref()));
+        }
+    }
+    // The graph goes before the buffers it captured.
+    drop(graph);
+    Ok(col)
 }
 
 /// CUDA-staged `MPI_Allreduce` of `size` bytes of floats: D2H to pinned
-/// memory, MPI_Allreduce, H2D, synchronize; the slowest rank's median (µs).
-pub(super) fn staged_mpi(
-    args: &Args,
-    world: &SimpleCommunicator,
-    s: &Arc<CudaStream>,
-    size: usize,
-) -> Result<f64, String> {
+/// memory, MPI_Allreduce, H2D, synchronize; median (and p99) by `-a`;
+/// the last result checked within the sum-order tolerance.
+fn staged_mpi(run: &mut Run, s: &Arc<CudaStream>, size: usize) -> Result<Col, String> {
+    let (args, world, check) = (run.args, run.world, run.check);
     let floats = size.div_ceil(4);
+    let n = world.size() as usize;
     let ctx = s.context();
     let dsrc = s
         .clone_htod(&verify::input::<f32>(
-            0x3a9_57a6e,
+            MPI_SEED,
             size as u64,
             world.rank() as usize,
             floats,
         ))
         .map_err(cuda("htod"))?;
     let mut ddst = s.alloc_zeros::<f32>(floats).map_err(cuda("alloc"))?;
+    poison_dev(s, &mut ddst)?;
     // SAFETY: page-locked buffers whose contents are written (D2H copy,
     // MPI_Allreduce) before they are read.
     let mut hin =
@@ -420,7 +557,7 @@ pub(super) fn staged_mpi(
         {
             let a = hin.as_slice().map_err(cuda("pinned"))?;
             let b = hout.as_mut_slice().map_err(cuda("pinned"))?;
-            world.all_reduce_into(a, b, SystemOperation::sum());
+            world.all_reduce_into(a, b, mpi::collective::SystemOperation::sum());
         }
         s.memcpy_htod(&hout, &mut ddst).map_err(cuda("htod"))?;
         s.synchronize().map_err(cuda("synchronize"))?;
@@ -428,5 +565,23 @@ pub(super) fn staged_mpi(
             lat.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
-    Ok(slowest(world, median(&mut lat)))
+    let (med, p99) = stats::samples(world, args.across, &lat);
+    let mut col = Col {
+        name: "CUDA-staged MPI_Allreduce",
+        placement: "out-of-place",
+        median_us: Some(med),
+        p99_us: args.per_iter.then_some(p99),
+        time_us: None,
+        check: if check { Check::Tolerance } else { Check::Off },
+        wrong: 0,
+        inexact: 0,
+    };
+    if check {
+        let inputs: Vec<Vec<f32>> = (0..n)
+            .map(|r| verify::input::<f32>(MPI_SEED, size as u64, r, floats))
+            .collect();
+        let (want, tol) = check::want(&inputs, true);
+        (col.wrong, col.inexact) = check::tally(world, &down(s, &ddst)?, &want, tol.as_deref());
+    }
+    Ok(col)
 }

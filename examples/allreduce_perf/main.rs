@@ -1,63 +1,83 @@
 //! `allreduce_perf`: an nccl-tests-style sweep of arx all-reduce sizes, next
-//! to `MPI_Allreduce` on the same ranks. It times what a program would run:
-//! on a GPU instance (`ARX_DEVICE=gpu`, or `auto` where every rank has a
-//! GPU) the GPU path on device buffers, on a host instance the host path.
+//! to `MPI_Allreduce` (and NCCL, on a GPU instance where it runs) on the
+//! same ranks. It times what a program would run: on a GPU instance
+//! (`ARX_DEVICE=gpu`, or `auto` where every rank has a GPU) the GPU path on
+//! device buffers, on a host instance the host path.
 //!
 //! ```sh
 //! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf --check
-//! mpirun -n 2 target/release/examples/allreduce_perf -b 8K -e 1M -f 2 -n 200 -w 20 -d bfloat16
+//! mpirun -n 2 target/release/examples/allreduce_perf -b 8K -e 1M -f 2 -n 200 -w 20 -d bfloat16 -I -J perf.json
 //! # GPU instance, 10 calls captured into one CUDA graph per replay:
 //! ARX_DEVICE=gpu mpirun -n 2 target/release/examples/allreduce_perf -d bfloat16 -G 10 --check
 //! ```
 //!
-//! **Host instance**: times are the slowest rank's mean per call of `-n`
-//! back-to-back `allreduce_host` calls; beside them `MPI_Allreduce` (float
-//! sum of the same bytes) on the same ranks, timed alike.
+//! **Rank statistics** (`-a`, module `stats`): by default every time is the
+//! slowest rank's: per iteration the largest time any rank measured for
+//! it, then the median (or p99) over iterations; a back-to-back time is the
+//! largest rank's. `-a 1/2/3` take each rank's own statistic and report
+//! their average / minimum / maximum over ranks (nccl-tests' `-a`).
+//! `-I` adds the 99th percentile of the per-iteration samples (and, on a
+//! host instance, their median).
 //!
-//! **GPU instance**: `cudarc` device buffers, one stream; out-of-place
-//! (`allreduce`) and in-place (`allreduce_in_place`) columns. Eager calls by
-//! default; `-G N` captures N calls into one CUDA graph and times its
-//! replays. Per size and column, after `-w` warm-up calls (or replays):
-//! `lat` is the slowest rank's median over `-n` samples of one call (MPI
+//! **Host instance**: `time` is the mean per call of `-n` back-to-back
+//! `allreduce_host` calls (with `--median`, the median call); beside it
+//! `MPI_Allreduce` (float sum of the same bytes) on the same ranks, timed
+//! alike; `speedup` = MPI's time ÷ arx's.
+//!
+//! **GPU instance** (module `gpu`): `cudarc` device buffers, one stream;
+//! out-of-place (`allreduce`) and in-place (`allreduce_in_place`) columns.
+//! Eager calls by default; `-G N` captures N calls into one CUDA graph and
+//! times its replays. Per size and column, after `-w` warm-up calls (or
+//! replays): `lat` is the median over `-n` samples of one call (MPI
 //! barrier, call, stream synchronize; with `-G N` one replay ÷ N), and
-//! `time` the slowest rank's time of `-n` calls (replays) back to back with
-//! one synchronize at the end, per call; algbw and busbw come from `time`.
+//! `time` the time of `-n` calls (replays) back to back with one
+//! synchronize at the end, per call; algbw and busbw come from `time`.
 //! Beside them, on the same ranks, CUDA-staged `MPI_Allreduce`: copy to
 //! pinned host memory, `MPI_Allreduce` (float sum of the same bytes), copy
 //! back, each sample after an MPI barrier, median of `-n` after `-w`
-//! warm-ups, slowest rank; `speedup` is its `lat` over arx's out-of-place
-//! `lat`. (This is the method of the former `gpu_check bench`.)
+//! warm-ups; `speedup` is its `lat` over arx's out-of-place `lat`. And
+//! NCCL's `ncclAllReduce` (module `nccl`), out of place and in place, timed
+//! exactly as arx's columns, when libnccl loads and every rank has its own
+//! GPU; otherwise the header says why it was skipped.
 //!
-//! `--check` (or `-c 1`) validates every size and column against the
-//! independent reference of `arx::verify` on every rank (seeded inputs,
-//! poisoned outputs, digests compared across ranks): the last timed
-//! out-of-place result, then three fresh inputs per column through the same
-//! eager call or graph that was timed (an in-place graph of N calls sums N
-//! times, and so does its reference). It exits non-zero if any element is
-//! wrong.
+//! `--check` (or `-c 1`, module `check`) validates every size and column
+//! against the independent reference of `arx::verify` on every rank (seeded
+//! inputs, poisoned outputs, digests compared across ranks): arx bit for
+//! bit, NCCL and MPI within a stated sum-order tolerance. It exits non-zero
+//! if any element is wrong. `-J FILE` writes the header and every result as
+//! JSON (module `report`); `scripts/plot-perf` draws it.
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use arx::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use arx::cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use arx::cudarc::driver::{
+    CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+};
 use arx::{verify, Arx, Element, Staging};
 use clap::Parser;
 use half::{bf16, f16};
-use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+mod check;
 mod gpu;
+mod nccl;
+mod report;
+mod stats;
+mod table;
 use gpu::*;
+use report::{Check, Col, Report, J};
+use stats::Across;
+use table::*;
 
 #[derive(Parser, Debug)]
 // A later option wins over an earlier one (as with nccl-tests' getopt), so
 // that slurm/allreduce_perf.sbatch's defaults can be overridden by its
 // arguments.
 #[command(
-    about = "arx all-reduce sweep (nccl-tests style), with MPI_Allreduce for comparison",
+    about = "arx all-reduce sweep (nccl-tests style), with MPI_Allreduce and NCCL for comparison",
     args_override_self = true
 )]
 struct Args {
@@ -90,25 +110,51 @@ struct Args {
     /// its replays (0: eager calls).
     #[arg(short = 'G', long = "cudagraph", default_value_t = 0)]
     graph: usize,
+    /// How the ranks' times combine: 0 the slowest rank per iteration
+    /// (default); 1, 2, 3 the average, min, max over ranks of each rank's
+    /// own statistic (as nccl-tests' -a).
+    #[arg(short = 'a', long = "average", default_value_t = 0)]
+    average: u8,
+    /// Per-iteration statistics: add the 99th percentile of the
+    /// per-iteration samples (host instance: also their median).
+    #[arg(short = 'I', long = "per-iter")]
+    per_iter: bool,
+    /// Write the header and one record per size x dtype x column as JSON to
+    /// this file (rank 0).
+    #[arg(short = 'J', long = "json")]
+    json: Option<String>,
     /// Skip the MPI_Allreduce comparison.
     #[arg(long)]
     no_mpi: bool,
-    /// Host instance: time every arx call and report the slowest rank's
-    /// median call instead of its mean (robust to the stalls of an emulated
-    /// or shared machine).
+    /// GPU instance: skip the NCCL columns.
+    #[arg(long)]
+    no_nccl: bool,
+    /// Host instance: report the median call instead of the mean per call
+    /// (robust to the stalls of an emulated or shared machine).
     #[arg(long)]
     median: bool,
+    #[arg(skip = Across::Slowest)]
+    across: Across,
 }
 
-struct Row {
-    arx_us: f64,
-    mpi_us: Option<f64>,
-    wrong: u64,
+/// What every path needs besides `Args`.
+struct Run<'a> {
+    args: &'a Args,
+    world: &'a SimpleCommunicator,
+    check: bool,
+    report: Report,
+    call: u64,
 }
 
 fn main() -> ExitCode {
+    // NVLink SHARP (multicast) can put a shared host's GPUs out of service;
+    // NCCL uses it only if this is not 0. Set before MPI or NCCL starts a
+    // thread; a value the user set wins.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let args = Args::parse();
+    let mut args = Args::parse();
     let universe = match mpi::initialize() {
         Some(u) => u,
         None => {
@@ -117,7 +163,11 @@ fn main() -> ExitCode {
         }
     };
     let world = universe.world();
-    match run(&args, &world) {
+    let r = Across::from_arg(args.average).and_then(|a| {
+        args.across = a;
+        run(&args, &world)
+    });
+    match r {
         Ok(0) => ExitCode::SUCCESS,
         Ok(wrong) => {
             if world.rank() == 0 {
@@ -132,6 +182,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// The canonical name of a `-d` value.
+fn dtype_name(dt: &str) -> &'static str {
+    match dt {
+        "bfloat16" | "bf16" => "bfloat16",
+        "half" | "f16" => "half",
+        _ => "float",
+    }
+}
+
 fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     let min = arx::parse_bytes("-b", &args.min)
         .map_err(|e| e.to_string())?
@@ -142,10 +201,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     if args.factor < 2 {
         return Err("-f must be at least 2".into());
     }
-    let check = args.check || args.check_level > 0;
-    let dtypes: Vec<&str> = match args.dtype.as_str() {
+    let dtypes: Vec<&'static str> = match args.dtype.as_str() {
         "all" => vec!["bfloat16", "half", "float"],
-        d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![d],
+        d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![dtype_name(d)],
         d => return Err(format!("-d {d}: expected bfloat16, half, float or all")),
     };
     let slot = max.max(arx::DEFAULT_SLOT_BYTES.min(max.next_power_of_two()));
@@ -153,85 +211,107 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         .slot_bytes(slot)
         .build(world)
         .map_err(|e| e.to_string())?;
-    if arx.cuda_context().is_some() {
-        return run_gpu(args, world, &mut arx, &dtypes, min, max, check);
+    let mut run = Run {
+        args,
+        world,
+        check: args.check || args.check_level > 0,
+        report: Report::default(),
+        call: 0,
+    };
+    let mut sizes = vec![];
+    let mut size = min;
+    while size <= max {
+        sizes.push(size);
+        size = size.saturating_mul(args.factor);
     }
-    if args.graph > 0 {
+    let wrong = if arx.cuda_context().is_some() {
+        run_gpu(&mut run, &mut arx, &dtypes, &sizes)?
+    } else if args.graph > 0 {
         return Err(format!(
             "-G {}: CUDA graphs need a GPU instance; this one runs the host device side",
             args.graph
         ));
-    }
-    let d = arx.describe();
-    let rank = world.rank();
-    if rank == 0 {
-        println!("# arx allreduce_perf");
-        println!(
-            "# {} ranks | device {} | fabric {} ({}) | slot {} B",
-            d.world, d.device, d.fabric, d.fabric_detail, d.slot_bytes
-        );
-        print_common_header(args, &d, check);
-        if !args.no_mpi {
-            println!("# MPI_Allreduce: float sum over the same number of bytes (MPI has no bfloat16/half sum)");
-        }
-        println!("#");
-        println!(
-            "# {:>10} {:>10} {:>9} {:>6} | {:>9} {:>7} {:>7} {:>7} | {:>9} {:>7} {:>7} | {:>7}",
-            "size",
-            "count",
-            "type",
-            "redop",
-            "arx",
-            "algbw",
-            "busbw",
-            "#wrong",
-            "MPI",
-            "algbw",
-            "busbw",
-            "speedup"
-        );
-        println!(
-            "# {:>10} {:>10} {:>9} {:>6} | {:>9} {:>7} {:>7} {:>7} | {:>9} {:>7} {:>7} | {:>7}",
-            "(B)",
-            "(elements)",
-            "",
-            "",
-            "time(us)",
-            "(GB/s)",
-            "(GB/s)",
-            "",
-            "time(us)",
-            "(GB/s)",
-            "(GB/s)",
-            "(x)"
-        );
-    }
-    let mut total_wrong = 0;
-    let mut call = 0u64;
-    for dt in dtypes {
-        let mut size = min;
-        while size <= max {
-            let row = match dt {
-                "bfloat16" | "bf16" => {
-                    measure::<bf16>(args, world, &mut arx, size, check, &mut call)?
-                }
-                "half" | "f16" => measure::<f16>(args, world, &mut arx, size, check, &mut call)?,
-                _ => measure::<f32>(args, world, &mut arx, size, check, &mut call)?,
-            };
-            if let Some(row) = row {
-                total_wrong += row.wrong;
-                if rank == 0 {
-                    print_row(dt, size, world.size() as usize, &row, check);
-                }
-            }
-            size = size.saturating_mul(args.factor);
+    } else {
+        run_host(&mut run, &mut arx, &dtypes, &sizes)?
+    };
+    if world.rank() == 0 {
+        if let Some(path) = &args.json {
+            run.report.write(path)?;
+            println!("# JSON written to {path}");
         }
     }
-    Ok(total_wrong)
+    Ok(wrong)
 }
 
-/// Header lines shared by both device sides (rank 0 prints).
-fn print_common_header(args: &Args, d: &arx::Description, check: bool) {
+/// Gathers a short text from every rank (cut to 240 bytes). Collective.
+pub(crate) fn gather_text(world: &SimpleCommunicator, s: &str) -> Vec<String> {
+    const W: usize = 240;
+    let mut mine = [0u8; W];
+    let b = s.as_bytes();
+    let k = b.len().min(W);
+    mine[..k].copy_from_slice(&b[..k]);
+    let mut all = vec![0u8; W * world.size() as usize];
+    world.all_gather_into(&mine[..], &mut all[..]);
+    all.chunks(W)
+        .map(|c| {
+            let end = c.iter().position(|&x| x == 0).unwrap_or(W);
+            String::from_utf8_lossy(&c[..end]).into_owned()
+        })
+        .collect()
+}
+
+/// This node's name as MPI reports it.
+fn host_name() -> String {
+    mpi::environment::processor_name().unwrap_or_else(|_| "?".into())
+}
+
+/// "<CPU model>, <n> cores".
+fn cpu_desc() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name") || l.starts_with("Hardware"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    // Online CPUs of the node, not this rank's affinity (mpirun binds).
+    // SAFETY: sysconf reads a system constant.
+    let cores = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    format!("{model}, {cores} cores")
+}
+
+/// Lines of the header every instance prints (rank 0), and the same facts
+/// in the JSON header. `devices` is one line per rank ("host: what");
+/// collective through the callers' gathers only.
+fn common_header(run: &mut Run, d: &arx::Description, hosts: &[String], devices: &str) {
+    let args = run.args;
+    let nodes = {
+        let mut h = hosts.to_vec();
+        h.sort();
+        h.dedup();
+        h.len()
+    };
+    let date = report::utc_now();
+    let mpi_lib = mpi::environment::library_version()
+        .unwrap_or_default()
+        .trim_end_matches('\0')
+        .split(',')
+        .next()
+        .unwrap_or("?")
+        .to_string();
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    println!(
+        "# arx allreduce_perf | {date} | {} ({nodes} node(s))",
+        hosts[0]
+    );
+    println!("# command: {command}");
+    println!(
+        "# {} ranks | device side {} | fabric {} ({}) | slot {} B",
+        d.world, d.device, d.fabric, d.fabric_detail, d.slot_bytes
+    );
+    println!("# devices: {devices}");
     println!(
         "# memory per rank, fixed at start-up: {} B mapped ({}); nothing is allocated per call",
         d.region_bytes,
@@ -241,92 +321,198 @@ fn print_common_header(args: &Args, d: &arx::Description, check: bool) {
             "registered, pinned"
         }
     );
+    println!("# MPI library: {mpi_lib}");
     println!(
-        "# MPI library: {}",
-        mpi::environment::library_version()
-            .unwrap_or_default()
-            .trim_end_matches('\0')
-            .split(',')
-            .next()
-            .unwrap_or("?")
-    );
-    println!(
-        "# iters {} warmup {} check {} | host arx time: {} per call",
+        "# iters {} warmup {} check {} | times: {}{}",
         args.iters,
         args.warmup,
-        if check { "every size" } else { "off" },
-        if args.median { "median" } else { "mean" }
-    );
-}
-
-fn print_row(dt: &str, size: usize, n: usize, r: &Row, check: bool) {
-    let esize = if matches!(dt, "float" | "f32") { 4 } else { 2 };
-    let name = match dt {
-        "bf16" => "bfloat16",
-        "f16" => "half",
-        "f32" => "float",
-        d => d,
-    };
-    let bus = 2.0 * (n as f64 - 1.0) / n as f64;
-    let alg = size as f64 / r.arx_us / 1e3;
-    let wrong = if check {
-        r.wrong.to_string()
-    } else {
-        "N/A".into()
-    };
-    let (mt, ma, mb, sp) = match r.mpi_us {
-        Some(m) => {
-            let a = size as f64 / m / 1e3;
-            (
-                format!("{m:.2}"),
-                format!("{a:.2}"),
-                format!("{:.2}", a * bus),
-                format!("{:.1}", m / r.arx_us),
-            )
+        if run.check { "every size" } else { "off" },
+        args.across.describe(),
+        if args.per_iter {
+            " | -I: p99 = nearest-rank 99th percentile of the per-iteration samples"
+        } else {
+            ""
         }
-        None => ("-".into(), "-".into(), "-".into(), "-".into()),
-    };
-    println!(
-        "  {:>10} {:>10} {:>9} {:>6} | {:>9.2} {:>7.2} {:>7.2} {:>7} | {:>9} {:>7} {:>7} | {:>7}",
-        size,
-        size / esize,
-        name,
-        "sum",
-        r.arx_us,
-        alg,
-        alg * bus,
-        wrong,
-        mt,
-        ma,
-        mb,
-        sp
+    );
+    let r = &mut run.report;
+    r.set("date", J::s(date));
+    r.set("host", J::s(hosts[0].clone()));
+    r.set("nodes", J::Int(nodes as i64));
+    r.set("ranks", J::Int(d.world as i64));
+    r.set("command", J::s(command));
+    r.set("device_side", J::s(d.device));
+    r.set("fabric", J::s(d.fabric));
+    r.set("fabric_detail", J::s(d.fabric_detail.clone()));
+    r.set("slot_bytes", J::Int(d.slot_bytes as i64));
+    r.set("region_bytes_per_rank", J::Int(d.region_bytes as i64));
+    r.set("devices", J::s(devices));
+    r.set("mpi_library", J::s(mpi_lib));
+    r.set(
+        "settings",
+        J::obj(vec![
+            ("iters", J::Int(args.iters as i64)),
+            ("warmup", J::Int(args.warmup as i64)),
+            ("check", J::Bool(run.check)),
+            ("average", J::Int(i64::from(args.across.code()))),
+            ("average_rule", J::s(args.across.describe())),
+            ("per_iter", J::Bool(args.per_iter)),
+            ("graph_calls_per_replay", J::Int(args.graph as i64)),
+            (
+                "host_time",
+                J::s(if args.median { "median" } else { "mean" }),
+            ),
+            (
+                "p99_rule",
+                J::s("nearest rank: the ceil(0.99 n)-th smallest sample"),
+            ),
+            ("median_rule", J::s("the floor(n/2)+1-th smallest sample")),
+        ]),
     );
 }
 
-/// The slowest rank's value.
-fn slowest(world: &SimpleCommunicator, v: f64) -> f64 {
-    let mut m = 0.0;
-    world.all_reduce_into(&v, &mut m, SystemOperation::max());
-    m
+// -------------------------------------------------------------- host side
+
+/// One host row: arx, then MPI_Allreduce unless `--no-mpi`.
+struct HostRow {
+    arx: Col,
+    mpi: Option<Col>,
 }
 
-fn measure<T: Element>(
-    args: &Args,
-    world: &SimpleCommunicator,
+fn host_layout(args: &Args) -> Layout {
+    let mut l = vec![("arx".to_string(), fields(Kind::Host, args.per_iter))];
+    if !args.no_mpi {
+        l.push(("MPI_Allreduce".into(), fields(Kind::Host, args.per_iter)));
+        l.push(("".into(), vec![("speedup", "(x)", 7)]));
+    }
+    l
+}
+
+fn run_host(
+    run: &mut Run,
+    arx: &mut Arx,
+    dtypes: &[&'static str],
+    sizes: &[usize],
+) -> Result<u64, String> {
+    let (args, world) = (run.args, run.world);
+    let d = arx.describe();
+    let hosts = gather_text(world, &host_name());
+    let cpus = gather_text(world, &cpu_desc());
+    let mut kinds: Vec<String> = hosts
+        .iter()
+        .zip(&cpus)
+        .map(|(h, c)| format!("{h}: {c}"))
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    let devices = format!("host CPUs: {}", kinds.join("; "));
+    if world.rank() == 0 {
+        common_header(run, &d, &hosts, &devices);
+        run.report.set("staging", J::Null);
+        run.report.set(
+            "nccl",
+            J::obj(vec![
+                ("status", J::s("not run (host instance)")),
+                ("version", J::Null),
+            ]),
+        );
+        println!(
+            "# arx: allreduce_host, out of place; time = {} per call of -n back-to-back calls",
+            if args.median { "median" } else { "mean" }
+        );
+        if !args.no_mpi {
+            println!("# MPI_Allreduce: float sum over the same number of bytes (MPI has no bfloat16/half sum), timed alike; checked within the sum-order tolerance; speedup = MPI time / arx time");
+        }
+        println!("#");
+        print_table_header(&host_layout(args));
+    }
+    let n = world.size() as usize;
+    let mut total_wrong = 0;
+    for &dt in dtypes {
+        for &size in sizes {
+            let row = match dt {
+                "bfloat16" => measure_host::<bf16>(run, arx, size)?,
+                "half" => measure_host::<f16>(run, arx, size)?,
+                _ => measure_host::<f32>(run, arx, size)?,
+            };
+            let Some(row) = row else { continue };
+            total_wrong += row.arx.wrong + row.mpi.as_ref().map_or(0, |m| m.wrong);
+            if world.rank() == 0 {
+                let esize = if dt == "float" { 4 } else { 2 };
+                let count = size / esize;
+                let mut g = vec![(
+                    widths(Kind::Host, args.per_iter),
+                    cells(Kind::Host, args.per_iter, &row.arx, size, n),
+                )];
+                run.report.record(size, count, dt, "host", n, &row.arx);
+                if let Some(m) = &row.mpi {
+                    g.push((
+                        widths(Kind::Host, args.per_iter),
+                        cells(Kind::Host, args.per_iter, m, size, n),
+                    ));
+                    let sp = match (m.time_us, row.arx.time_us) {
+                        (Some(a), Some(b)) => format!("{:.1}", a / b),
+                        _ => "-".into(),
+                    };
+                    g.push((vec![7], vec![sp]));
+                    run.report.record(size, count, dt, "host", n, m);
+                }
+                print_table_row(size, count, dt, &g);
+            }
+        }
+    }
+    Ok(total_wrong)
+}
+
+/// Seed of the MPI columns' inputs (the call number is the size).
+const MPI_SEED: u64 = 0x3a9_57a6e;
+
+/// Times `f` `iters` times back to back: (per-call samples µs, mean µs).
+fn back_to_back(
+    iters: usize,
+    mut f: impl FnMut() -> Result<(), String>,
+) -> Result<(Vec<f64>, f64), String> {
+    let mut per = Vec::with_capacity(iters);
+    let t = Instant::now();
+    for _ in 0..iters {
+        let c = Instant::now();
+        f()?;
+        per.push(c.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((per, t.elapsed().as_secs_f64() * 1e6 / iters as f64))
+}
+
+/// (median, p99, time) of a host column by the `-a` rule. Collective.
+fn host_times(run: &Run, per: &[f64], mean: f64) -> (Option<f64>, Option<f64>, f64) {
+    let (args, world) = (run.args, run.world);
+    if !(args.per_iter || args.median) {
+        return (None, None, stats::scalar(world, args.across, mean));
+    }
+    let (med, p99) = stats::samples(world, args.across, per);
+    let time = if args.median {
+        med
+    } else {
+        stats::scalar(world, args.across, mean)
+    };
+    (Some(med), args.per_iter.then_some(p99), time)
+}
+
+fn measure_host<T: Element>(
+    run: &mut Run,
     arx: &mut Arx,
     size: usize,
-    check: bool,
-    call: &mut u64,
-) -> Result<Option<Row>, String> {
+) -> Result<Option<HostRow>, String> {
+    let (args, world, check) = (run.args, run.world, run.check);
     let count = size / std::mem::size_of::<T>();
     if count == 0 {
         return Ok(None);
     }
     let rank = world.rank() as usize;
     let n = world.size() as usize;
+    let iters = args.iters.max(1);
     let seed = 0xa11_0ced;
-    *call += 1;
-    let input = verify::input::<T>(seed, *call, rank, count);
+    run.call += 1;
+    let timed_call = run.call;
+    let input = verify::input::<T>(seed, timed_call, rank, count);
     let mut out = vec![T::from_f32(0.0); count];
     let fail = |e: arx::Error| format!("{count} x {:?}: {e}", T::DTYPE);
 
@@ -334,67 +520,68 @@ fn measure<T: Element>(
         arx.allreduce_host(&input, &mut out).map_err(fail)?;
     }
     world.barrier();
-    let mut calls = Vec::with_capacity(if args.median { args.iters.max(1) } else { 0 });
-    let t = Instant::now();
-    for _ in 0..args.iters.max(1) {
-        let c = Instant::now();
-        arx.allreduce_host(&input, &mut out).map_err(fail)?;
-        if args.median {
-            calls.push(c.elapsed().as_secs_f64());
-        }
-    }
-    let local = if args.median {
-        calls.sort_by(f64::total_cmp);
-        calls[calls.len() / 2]
-    } else {
-        t.elapsed().as_secs_f64() / args.iters.max(1) as f64
+    let (per, mean) = back_to_back(iters, || arx.allreduce_host(&input, &mut out).map_err(fail))?;
+    let (median_us, p99_us, time) = host_times(run, &per, mean);
+    let mut col = Col {
+        name: "arx",
+        placement: "out-of-place",
+        median_us,
+        p99_us,
+        time_us: Some(time),
+        check: if check { Check::Exact } else { Check::Off },
+        wrong: 0,
+        inexact: 0,
     };
-    let arx_us = slowest(world, local * 1e6);
-
-    let mut wrong = 0u64;
     if check {
-        // The timed calls' last result, then fresh inputs into poisoned outputs.
-        let mut local =
-            verify::count_wrong(&out, &verify::expected::<T>(seed, *call, n, count)) as u64;
+        // The timed calls' last result, then fresh inputs into poisoned
+        // outputs.
+        let want = verify::expected::<T>(seed, timed_call, n, count);
+        col.wrong += check::tally(world, &out, &want, None).0;
         for _ in 0..3 {
-            *call += 1;
-            let inp = verify::input::<T>(seed, *call, rank, count);
+            run.call += 1;
+            let inp = verify::input::<T>(seed, run.call, rank, count);
             verify::poison(&mut out);
             arx.allreduce_host(&inp, &mut out).map_err(fail)?;
-            local +=
-                verify::count_wrong(&out, &verify::expected::<T>(seed, *call, n, count)) as u64;
-            let d = verify::digest(&out);
-            let mut all = vec![0u64; n];
-            world.all_gather_into(&d, &mut all[..]);
-            if all.iter().any(|&x| x != d) {
-                local += count as u64; // ranks disagree: count the whole buffer wrong
-            }
+            let want = verify::expected::<T>(seed, run.call, n, count);
+            col.wrong += check::tally(world, &out, &want, None).0;
         }
-        world.all_reduce_into(&local, &mut wrong, SystemOperation::sum());
     }
 
-    let mpi_us = if args.no_mpi {
+    let mpi = if args.no_mpi {
         None
     } else {
         let floats = size.div_ceil(4);
-        let send: Vec<f32> = (0..floats).map(|i| (i % 7) as f32).collect();
+        let send = verify::input::<f32>(MPI_SEED, size as u64, rank, floats);
         let mut recv = vec![0f32; floats];
+        let op = mpi::collective::SystemOperation::sum();
         for _ in 0..args.warmup {
-            world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+            world.all_reduce_into(&send[..], &mut recv[..], op);
         }
         world.barrier();
-        let t = Instant::now();
-        for _ in 0..args.iters.max(1) {
-            world.all_reduce_into(&send[..], &mut recv[..], SystemOperation::sum());
+        verify::poison(&mut recv);
+        let (per, mean) = back_to_back(iters, || {
+            world.all_reduce_into(&send[..], &mut recv[..], op);
+            Ok(())
+        })?;
+        let (median_us, p99_us, time) = host_times(run, &per, mean);
+        let mut m = Col {
+            name: "MPI_Allreduce",
+            placement: "out-of-place",
+            median_us,
+            p99_us,
+            time_us: Some(time),
+            check: if check { Check::Tolerance } else { Check::Off },
+            wrong: 0,
+            inexact: 0,
+        };
+        if check {
+            let inputs: Vec<Vec<f32>> = (0..n)
+                .map(|r| verify::input::<f32>(MPI_SEED, size as u64, r, floats))
+                .collect();
+            let (want, tol) = check::want(&inputs, true);
+            (m.wrong, m.inexact) = check::tally(world, &recv, &want, tol.as_deref());
         }
-        Some(slowest(
-            world,
-            t.elapsed().as_secs_f64() * 1e6 / args.iters.max(1) as f64,
-        ))
+        Some(m)
     };
-    Ok(Some(Row {
-        arx_us,
-        mpi_us,
-        wrong,
-    }))
+    Ok(Some(HostRow { arx: col, mpi }))
 }
