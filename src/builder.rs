@@ -7,7 +7,7 @@ use mpi::topology::Communicator;
 
 use crate::bootstrap::{self, Bootstrap};
 use crate::config::{self, Config, DeviceKind, FabricKind, SpinMode, Staging};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::{wire, Arx};
 
 /// Options for [`Arx`]; each overrides its `ARX_*` environment variable.
@@ -78,6 +78,17 @@ impl Builder {
     /// CUDA device ordinal of the GPU device side (`ARX_CUDA_DEVICE`).
     pub fn cuda_device(mut self, ordinal: usize) -> Self {
         self.o.cuda_device = Some(ordinal);
+        self
+    }
+
+    /// Makes [`Builder::build`] fail on this rank with `e`, as a bad
+    /// setting does: this rank still takes part in the exchange of settings,
+    /// so every other rank fails at once with [`Error::PeerFailed`] naming
+    /// it instead of waiting for the start-up timeout. For bindings whose
+    /// own checks of an option failed (an unknown keyword, a value of the
+    /// wrong type).
+    pub fn refuse(mut self, e: Error) -> Self {
+        self.o.refused = Some(e);
         self
     }
 
