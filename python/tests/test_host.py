@@ -339,18 +339,42 @@ def calls_release_the_gil_and_work_from_threads():
             while not stop.is_set():
                 count[0] += 1
 
+        # Meanwhile another thread's use of the same Comm is refused
+        # (describe: harmless if it ran, unlike a second collective call).
+        inside = threading.Event()
+        busy = {}
+
+        def other():
+            inside.wait()
+            time.sleep(0.3)
+            try:
+                comm.describe()
+                busy["result"] = "describe() ran during another thread's call"
+            except arx.InvalidUsageError as e:
+                busy["result"] = e
+            except Exception as e:  # noqa: BLE001
+                busy["result"] = f"{type(e).__name__}: {e}"
+
         t = threading.Thread(target=spin)
         t.start()
+        b = threading.Thread(target=other)
+        if RANK == 0:
+            b.start()
         if RANK == SIZE - 1:
-            time.sleep(1.0)
+            time.sleep(2.0)
         x = partial(50, 64, "float32", RANK)
         c0 = count[0]
+        inside.set()
         comm.allreduce(x)
         ran = count[0] - c0
         stop.set()
         t.join()
         if RANK == 0:
+            b.join()
             check(ran > 100, f"GIL held during the call: another thread counted {ran} in it")
+            check(isinstance(busy.get("result"), arx.InvalidUsageError)
+                  and "another thread" in str(busy["result"]),
+                  f"overlapping use from another thread: {busy.get('result')!r}")
         # A call from another thread (MPI_THREAD_MULTIPLE is mpi4py's default).
         res = {}
 
