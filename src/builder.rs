@@ -14,7 +14,6 @@ use crate::{wire, Arx};
 #[derive(Debug, Clone, Default)]
 pub struct Builder {
     o: config::Overrides,
-    refused: Option<Error>,
 }
 
 impl Builder {
@@ -82,14 +81,15 @@ impl Builder {
         self
     }
 
-    /// Makes [`Builder::build`] fail on this rank with `reason`, after
-    /// taking part in the first collective step of start-up, so that every
-    /// other rank fails at once with [`Error::PeerFailed`] naming this rank
-    /// and carrying `reason`'s message (instead of waiting for the start-up
-    /// timeout). For bindings that check settings of their own (the C
-    /// ABI's config struct, the Python module's keyword arguments).
-    pub fn refuse(mut self, reason: Error) -> Self {
-        self.refused.get_or_insert(reason);
+    /// Makes [`Builder::build`] fail on this rank with `e`, as a bad
+    /// setting does: this rank still takes part in the exchange of settings,
+    /// so every other rank fails at once with [`Error::PeerFailed`] naming
+    /// it instead of waiting for the start-up timeout. For bindings whose
+    /// own checks of an option failed (an unknown keyword, a value of the
+    /// wrong type).
+    pub fn refuse(mut self, e: Error) -> Self {
+        // The first refusal wins: it is the one the user should see.
+        self.o.refused.get_or_insert(e);
         self
     }
 
@@ -118,10 +118,7 @@ impl Builder {
         // A bad setting on one rank must fail every rank at once, not leave
         // the others waiting: every rank sends its settings or its refusal
         // in the first collective, of one fixed shape.
-        let cfg = match self.refused {
-            Some(e) => Err(e),
-            None => Config::resolve(&self.o),
-        };
+        let cfg = Config::resolve(&self.o);
         let init_timeout = match &cfg {
             Ok(c) => c.init_timeout,
             Err(_) => Config::init_timeout_or_default(&self.o),

@@ -423,6 +423,26 @@ impl Arx {
         unsafe { self.device.gpu_call(input, output, count, dtype, stream) }
     }
 
+    /// Refuses this rank's part of the next call with `err`, as arx refuses
+    /// a call whose arguments it finds wrong: the call is announced to the
+    /// peers as refused (they fail at once with [`Error::CallMismatch`]
+    /// naming this rank, instead of waiting for the call timeout), and the
+    /// instance is failed afterwards. Returns the error to report: `err`, or
+    /// the instance's earlier error. For bindings that check what arx cannot
+    /// see (a buffer's type, layout or device); `count` is the element count
+    /// asked for, shown to the peers. On a GPU instance it synchronizes the
+    /// GPU first, as a host call does.
+    pub fn refuse_call(&mut self, count: usize, err: Error) -> Error {
+        if let Err(earlier) = self.device.ready() {
+            return earlier;
+        }
+        match self.device.refuse_host(count, err) {
+            Err(e) => e,
+            // refuse_host never returns Ok.
+            Ok(()) => Error::InvalidArgument("call refused".into()),
+        }
+    }
+
     /// Test hook: the kernels' own f32 → bf16/f16 conversions (and back) on
     /// `bits`, to compare with the `half` crate.
     #[doc(hidden)]

@@ -210,6 +210,8 @@ pub(crate) struct Overrides {
     pub gid_index: Option<u32>,
     pub proxy_cpu: Option<usize>,
     pub cuda_device: Option<usize>,
+    /// A binding's own refusal of an option (`Builder::refuse`).
+    pub refused: Option<Error>,
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -389,6 +391,9 @@ impl Config {
         o: &Overrides,
         get: F,
     ) -> Result<Self> {
+        if let Some(e) = &o.refused {
+            return Err(e.clone());
+        }
         let device = knob(
             &get,
             o.device,

@@ -230,3 +230,19 @@ fn byte_sizes() {
     assert!(parse_bytes("x", "M").is_err());
     assert!(parse_bytes("x", "").is_err());
 }
+
+#[test]
+fn a_bindings_refusal_is_returned_and_keeps_the_start_up_bound() {
+    let o = Overrides {
+        refused: Some(Error::InvalidArgument("unknown setting 'timout'".into())),
+        init_timeout: Some(Duration::from_secs(3)),
+        ..Default::default()
+    };
+    match builder(o.clone()) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("timout"), "{m}"),
+        other => panic!("expected the binding's refusal, got {other:?}"),
+    }
+    // The refusing rank still bounds the exchange of settings by its own
+    // start-up timeout.
+    assert_eq!(Config::init_timeout_or_default(&o), Duration::from_secs(3));
+}

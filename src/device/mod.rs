@@ -214,7 +214,7 @@ impl Device {
     /// publishes the call with the "invalid" dtype and no data, so every
     /// peer fails at once with [`Error::CallMismatch`] naming this rank, and
     /// this rank returns `err`. The instance is failed afterwards.
-    fn refuse_host(&mut self, count: usize, err: Error) -> Result<()> {
+    pub(crate) fn refuse_host(&mut self, count: usize, err: Error) -> Result<()> {
         match self.next_host_seq() {
             Ok(seq) => {
                 let c = count.min(abi::ARX_MAX_COUNT as usize);

@@ -1,0 +1,325 @@
+"""``arx.Comm``: an arx instance on an mpi4py communicator, and the dispatch
+of ``allreduce`` by argument kind (host buffer, torch tensor, CUDA array
+interface, DLPack)."""
+
+import itertools
+import sys
+import weakref
+
+from . import _arx
+from . import ClosedError, InvalidArgumentError
+
+# Comms by id, for the torch custom op (which takes an int, not an object).
+_ids = itertools.count(1)
+_live = weakref.WeakValueDictionary()
+
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+_CAI_DTYPES = {"f4": "float32", "f2": "float16"}
+
+
+def _torch():
+    """The torch module if the program imported it (arx never imports it
+    for a call: a tensor can only exist if torch was imported)."""
+    return sys.modules.get("torch")
+
+
+def _is_tensor(x):
+    t = _torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+def _count(x):
+    """Best-effort element count, shown to peers when a call is refused."""
+    try:
+        if _is_tensor(x):
+            return int(x.numel())
+        cai = getattr(x, "__cuda_array_interface__", None)
+        if cai is not None:
+            n = 1
+            for d in cai["shape"]:
+                n *= int(d)
+            return n
+        n = getattr(x, "size", None)
+        return int(n) if isinstance(n, int) else 0
+    except Exception:
+        return 0
+
+
+def _stream_handle(stream):
+    """A CUstream as an int from a torch/CuPy stream object or an int."""
+    for attr in ("cuda_stream", "ptr"):
+        h = getattr(stream, attr, None)
+        if h is not None:
+            return int(h)
+    return int(stream)
+
+
+def _kind(x):
+    """'torch-cuda', 'torch-cpu', 'cai', 'dlpack-cuda' or 'host'."""
+    if _is_tensor(x):
+        return "torch-cuda" if x.is_cuda else "torch-cpu"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cai"
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None and not hasattr(x, "__array_interface__"):
+        try:
+            # kDLCUDA = 2, kDLCUDAManaged = 13
+            if dev()[0] in (2, 13):
+                return "dlpack-cuda"
+        except Exception:
+            pass
+    return "host"
+
+
+class Comm:
+    """An arx instance over an mpi4py communicator.
+
+    ``Comm(comm, **settings)`` is collective over ``comm`` (every rank must
+    call it); ``settings`` are the Rust ``arx::Builder`` options: device,
+    fabric, slot_bytes, timeout, init_timeout, stall_warn (seconds), spin,
+    staging, devices, gid_index, proxy_cpu, cuda_device. A setting left out
+    (or None) comes from its ``ARX_*`` variable, then the default. An
+    unknown or bad setting raises on this rank and makes every other rank
+    raise ``PeerFailedError`` at once.
+
+    Calls are collective too: every rank makes the same calls in the same
+    order. A failed call leaves the Comm failed (every later call raises the
+    same error): close it and create a new one on every rank.
+    """
+
+    def __init__(self, comm, **settings):
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise InvalidArgumentError(f"arx.Comm needs mpi4py: {e}") from None
+        if not isinstance(comm, MPI.Comm):
+            raise InvalidArgumentError(
+                f"arx.Comm(comm): comm must be an mpi4py communicator (e.g. MPI.COMM_WORLD), "
+                f"got {type(comm).__name__}"
+            )
+        self._c = None
+        self._c = _arx._Comm(comm.py2f(), settings, MPI.Get_library_version())
+        self.id = next(_ids)
+        _live[self.id] = self
+
+    # -- what it is --------------------------------------------------------
+    @property
+    def rank(self):
+        """This rank in the communicator."""
+        return self._c.rank
+
+    @property
+    def size(self):
+        """Ranks in the communicator."""
+        return self._c.size
+
+    @property
+    def device(self):
+        """'gpu' or 'host': the device side that runs the calls."""
+        return self._c.device
+
+    @property
+    def cuda_device(self):
+        """CUDA device ordinal of a GPU instance (tensors must live there), else None."""
+        return self._c.cuda_device
+
+    @property
+    def closed(self):
+        return self._c is None or self._c.closed
+
+    def describe(self):
+        """What the instance is made of (device side, fabric, slot size, ...)."""
+        return self._c.describe()
+
+    def __repr__(self):
+        if self.closed:
+            return "<arx.Comm closed>"
+        return f"<arx.Comm rank {self.rank} of {self.size}, {self.device}>"
+
+    # -- life --------------------------------------------------------------
+    def close(self):
+        """Frees the instance (collective with the Verbs fabric: a bounded
+        barrier). Closing twice does nothing; any later call raises
+        ``arx.ClosedError``."""
+        if self._c is not None:
+            self._c.close()
+        _live.pop(getattr(self, "id", None), None)
+
+    def __enter__(self):
+        if self.closed:
+            raise ClosedError("this arx.Comm is closed")
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def check(self):
+        """Waits for this instance's GPU work; raises the first error it
+        recorded (a GPU call's errors otherwise surface at the next call)."""
+        self._c.check()
+
+    # -- the call ----------------------------------------------------------
+    def allreduce(self, x, out=None, op="sum", *, stream=None, dtype=None):
+        """Sums ``x`` over all ranks into ``out`` (in place in ``x`` when
+        ``out`` is None); returns the array that holds the result. Every rank
+        gets the same bits: partials added in rank order in float32, rounded
+        once.
+
+        * NumPy arrays / host buffers: float32, float16 (bfloat16: uint16
+          arrays of bfloat16 bits with ``dtype="bfloat16"``, or ml_dtypes
+          bfloat16 arrays); C-contiguous; returns when done.
+        * CPU torch tensors: float32, float16, bfloat16; as NumPy.
+        * CUDA torch tensors, CuPy arrays, ``__cuda_array_interface__`` or
+          DLPack CUDA objects (float32, float16, bfloat16 where the framework
+          has it), on a GPU instance and its CUDA device: enqueued on
+          ``stream`` (default: the framework's current stream) and returns at
+          once; capturable in ``torch.cuda.graph``.
+
+        ``out`` must have the input's kind, dtype and element count, and be
+        the same memory (in place) or disjoint from it. Do not touch the
+        arrays from other threads during a call.
+        """
+        c = self._c
+        if c is None:
+            raise ClosedError("this arx.Comm is closed")
+        if op != "sum":
+            c.refuse(_count(x), f"op={op!r}: arx reduces with op='sum' only")
+        kind = _kind(x)
+        if out is not None and out is not x and _kind(out) != kind:
+            c.refuse(
+                _count(x),
+                f"input is a {type(x).__name__} ({kind}) but out is a {type(out).__name__} "
+                f"({_kind(out)}): both must be the same kind of array",
+            )
+        if kind == "dlpack-cuda":
+            torch = _torch()
+            if torch is None:
+                try:
+                    import torch
+                except ImportError:
+                    c.refuse(
+                        _count(x),
+                        f"{type(x).__name__} is a DLPack CUDA array: arx takes torch tensors, "
+                        "CuPy arrays or __cuda_array_interface__ objects (torch is not installed "
+                        "to convert it)",
+                    )
+            tx = torch.from_dlpack(x)
+            tout = None if out is None or out is x else torch.from_dlpack(out)
+            self.allreduce(tx, tout, stream=stream)
+            return x if out is None else out
+        if kind == "torch-cuda":
+            self._torch_cuda(x, out, stream)
+        elif kind == "cai":
+            self._cai(x, out, stream)
+        elif kind == "torch-cpu":
+            self._torch_cpu(x, out)
+        else:
+            self._host(x, out, dtype)
+        return x if out is None else out
+
+    def _host(self, x, out, dtype):
+        # ml_dtypes' bfloat16 arrays cannot be exported as buffers: their
+        # bits go as uint16.
+        if dtype is None and getattr(getattr(x, "dtype", None), "name", None) == "bfloat16":
+            x = x.view("uint16")
+            if out is not None:
+                if getattr(getattr(out, "dtype", None), "name", None) == "bfloat16":
+                    out = out.view("uint16")
+            dtype = "bfloat16"
+        self._c.allreduce_host(x, out, dtype)
+
+    def _torch_cpu(self, x, out):
+        c = self._c
+        torch = _torch()
+
+        def host_view(t, what):
+            name = str(t.dtype)
+            if name not in _TORCH_DTYPES:
+                c.refuse(_count(x), f"{what} has dtype {name}: arx reduces float32, float16 and bfloat16")
+            t = t.detach()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).numpy()
+            return t.numpy()
+
+        bf16 = x.dtype == torch.bfloat16
+        xv = host_view(x, "the input")
+        ov = None if out is None or out is x else host_view(out, "out")
+        c.allreduce_host(xv, ov, "bfloat16" if bf16 else None)
+
+    def _torch_cuda(self, x, out, stream):
+        c = self._c
+        torch = _torch()
+        tensors = [("the input", x)] + ([] if out is None or out is x else [("out", out)])
+        args = []
+        for what, t in tensors:
+            name = str(t.dtype)
+            if name not in _TORCH_DTYPES:
+                c.refuse(_count(x), f"{what} has dtype {name}: arx reduces float32, float16 and bfloat16")
+            if not t.is_contiguous():
+                c.refuse(
+                    _count(x),
+                    f"{what} is not contiguous (strides {tuple(t.stride())}): pass "
+                    "t.contiguous() and copy the result back",
+                )
+            args.append((t.data_ptr(), t.numel(), _TORCH_DTYPES[name]))
+        if stream is None:
+            stream = torch.cuda.current_stream(x.device)
+        (ip, n, dt) = args[0]
+        (op, on, odt) = args[-1]
+        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream))
+
+    def _cai(self, x, out, stream):
+        c = self._c
+        arrays = [("the input", x)] + ([] if out is None or out is x else [("out", out)])
+        args = []
+        for what, a in arrays:
+            ai = a.__cuda_array_interface__
+            typestr = ai["typestr"]
+            if typestr[0] not in "<|=" or typestr[1:] not in _CAI_DTYPES:
+                c.refuse(
+                    _count(x),
+                    f"{what} has typestr {typestr!r}: arx reduces float32 ('<f4') and float16 "
+                    "('<f2') CUDA arrays (bfloat16 through torch tensors)",
+                )
+            dt = _CAI_DTYPES[typestr[1:]]
+            shape = tuple(int(d) for d in ai["shape"])
+            n = 1
+            for d in shape:
+                n *= d
+            strides = ai.get("strides")
+            if strides is not None and n > 1:
+                item = int(typestr[2:])
+                want, acc = [], item
+                for d in reversed(shape):
+                    want.append(acc)
+                    acc *= d
+                want.reverse()
+                if any(s != w for s, w, d in zip(strides, want, shape) if d > 1):
+                    c.refuse(
+                        _count(x),
+                        f"{what} is not C-contiguous (shape {shape}, strides {tuple(strides)})",
+                    )
+            ptr, readonly = ai["data"]
+            if readonly and (what == "out" or out is None or out is x):
+                c.refuse(_count(x), f"{what} is read-only: the result is written there")
+            args.append((int(ptr or 0), n, dt))
+        if stream is None:
+            stream = self._cai_stream(x, x.__cuda_array_interface__)
+        (ip, n, dt) = args[0]
+        (op, on, odt) = args[-1]
+        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream))
+
+    @staticmethod
+    def _cai_stream(x, ai):
+        cupy = sys.modules.get("cupy")
+        if cupy is not None and isinstance(x, cupy.ndarray):
+            return cupy.cuda.get_current_stream().ptr
+        s = ai.get("stream")
+        # No stream in the interface: the producer asks for no
+        # synchronization; the legacy default stream orders the call after
+        # all earlier work of blocking streams.
+        return s if isinstance(s, int) else 0
+
+    def __del__(self):
+        _live.pop(getattr(self, "id", None), None)

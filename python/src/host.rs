@@ -1,0 +1,236 @@
+//! Host buffers (NumPy arrays, anything with the buffer protocol): the
+//! checks arx cannot make itself (element type, layout, writability,
+//! overlap), then `Arx::allreduce_host`.
+
+use arx::{Arx, Dtype, Error};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::prelude::*;
+
+/// An exported buffer, checked: while it lives, the exporter keeps the
+/// memory in place (NumPy refuses to resize an exported array).
+pub(crate) struct HostBuf {
+    /// Holds the export; released (with the GIL) when dropped.
+    _buf: PyUntypedBuffer,
+    pub dtype: Dtype,
+    pub addr: usize,
+    pub count: usize,
+}
+
+impl HostBuf {
+    pub(crate) fn bytes(&self) -> usize {
+        self.count * self.dtype.size()
+    }
+}
+
+/// What a buffer format names, for messages.
+fn format_name(code: char) -> &'static str {
+    match code {
+        'd' => "float64",
+        'f' => "float32",
+        'e' => "float16",
+        'g' => "long double",
+        'b' | 'h' | 'i' | 'l' | 'q' | 'n' => "a signed integer",
+        'B' | 'H' | 'I' | 'L' | 'Q' | 'N' => "an unsigned integer",
+        '?' => "bool",
+        'Z' => "complex",
+        _ => "not a float32 or float16",
+    }
+}
+
+/// The element count a buffer holds, if `obj` exports one (for the count
+/// a refusal shows to the peers).
+pub(crate) fn count_hint(obj: &Bound<'_, PyAny>) -> usize {
+    PyUntypedBuffer::get(obj).map_or(0, |b| b.item_count())
+}
+
+/// Exports `obj` and checks it: a C-contiguous, aligned buffer of float32
+/// or float16 (or, with `bf16_bits`, 16-bit integers holding bfloat16 bit
+/// patterns), writable if `writable`. `what` names it in messages.
+pub(crate) fn view(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    writable: bool,
+    bf16_bits: bool,
+) -> Result<HostBuf, Error> {
+    let buf = PyUntypedBuffer::get(obj).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "{what} ({}) is neither a CUDA tensor/array nor a host buffer arx can read \
+             (a NumPy array, a CPU torch tensor): {e}",
+            type_name(obj)
+        ))
+    })?;
+    let fmt = buf.format().to_string_lossy().into_owned();
+    // Byte order and size markers: native ('@', '=') or this machine's own
+    // explicit order; a foreign byte order is refused.
+    let native = if cfg!(target_endian = "little") {
+        ['@', '=', '<']
+    } else {
+        ['@', '=', '>']
+    };
+    let code = fmt.trim_start_matches(native).to_string();
+    let dtype = match (code.as_str(), bf16_bits) {
+        ("f", false) => Some(Dtype::F32),
+        ("e", false) => Some(Dtype::F16),
+        ("H" | "h", true) => Some(Dtype::Bf16),
+        _ => None,
+    };
+    let Some(dtype) = dtype else {
+        let c = code.chars().next().unwrap_or('?');
+        return Err(Error::InvalidArgument(if bf16_bits {
+            format!(
+                "{what}: dtype='bfloat16' reads bfloat16 bit patterns from a 16-bit integer \
+                 buffer (uint16/int16), but {what} has format '{fmt}' ({})",
+                format_name(c)
+            )
+        } else if code.len() != 1 || fmt.starts_with(['<', '>', '!']) {
+            format!(
+                "{what} has buffer format '{fmt}': arx reduces float32 and float16 host \
+                 buffers in this machine's byte order (bfloat16 as uint16 with \
+                 dtype='bfloat16')"
+            )
+        } else {
+            format!(
+                "{what} has format '{fmt}' ({}): arx reduces float32 and float16 host \
+                 buffers (bfloat16 as uint16 with dtype='bfloat16')",
+                format_name(c)
+            )
+        }));
+    };
+    if buf.item_size() != dtype.size() {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: format '{fmt}' with items of {} bytes (expected {})",
+            buf.item_size(),
+            dtype.size()
+        )));
+    }
+    if !buf.is_c_contiguous() {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is not C-contiguous (shape {:?}, strides {:?}): pass a contiguous \
+             array, e.g. numpy.ascontiguousarray(x), and copy the result back",
+            buf.shape(),
+            buf.strides()
+        )));
+    }
+    if writable && buf.readonly() {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is read-only: the result is written there"
+        )));
+    }
+    let addr = buf.buf_ptr() as usize;
+    let count = buf.item_count();
+    if count > 0 && addr % dtype.size() != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} is not aligned to its {}-byte elements (address {addr:#x})",
+            dtype.size()
+        )));
+    }
+    Ok(HostBuf {
+        _buf: buf,
+        dtype,
+        addr,
+        count,
+    })
+}
+
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string())
+}
+
+/// Whether two byte ranges share a byte.
+pub(crate) fn overlap(a: usize, a_len: usize, b: usize, b_len: usize) -> bool {
+    a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
+}
+
+/// The pair's call, checked: same element type, input and output either
+/// the same memory (in place) or disjoint.
+pub(crate) struct HostCall {
+    pub dtype: Dtype,
+    /// None: in place in `out`.
+    pub input: Option<(usize, usize)>,
+    pub out: (usize, usize),
+}
+
+pub(crate) fn pair(input: &HostBuf, out: Option<&HostBuf>) -> Result<HostCall, Error> {
+    let Some(out) = out else {
+        return Ok(HostCall {
+            dtype: input.dtype,
+            input: None,
+            out: (input.addr, input.count),
+        });
+    };
+    if out.dtype != input.dtype {
+        return Err(Error::InvalidArgument(format!(
+            "input is {} but out is {}: both must have the same dtype",
+            crate::dtype_name(input.dtype),
+            crate::dtype_name(out.dtype)
+        )));
+    }
+    if input.addr == out.addr && input.count == out.count {
+        return Ok(HostCall {
+            dtype: input.dtype,
+            input: None,
+            out: (out.addr, out.count),
+        });
+    }
+    if overlap(input.addr, input.bytes(), out.addr, out.bytes()) {
+        return Err(Error::InvalidArgument(format!(
+            "out partially overlaps the input ({} bytes at {:#x} and {} bytes at {:#x}): \
+             pass the same array (in place) or disjoint ones",
+            input.bytes(),
+            input.addr,
+            out.bytes(),
+            out.addr
+        )));
+    }
+    Ok(HostCall {
+        dtype: input.dtype,
+        input: Some((input.addr, input.count)),
+        out: (out.addr, out.count),
+    })
+}
+
+/// Runs the checked call.
+///
+/// # Safety
+/// The addresses of `c` come from live buffer exports checked by [`view`]
+/// and [`pair`] (C-contiguous, aligned, `count` elements of `c.dtype`, the
+/// output writable, input and output identical or disjoint), held until
+/// this returns, and nothing else accesses them meanwhile.
+pub(crate) unsafe fn run(arx: &mut Arx, c: &HostCall) -> arx::Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.dtype {
+            Dtype::F32 => typed::<f32>(arx, c),
+            Dtype::F16 => typed::<half::f16>(arx, c),
+            Dtype::Bf16 => typed::<half::bf16>(arx, c),
+        }
+    }
+}
+
+/// # Safety
+/// As [`run`], with `T` the element type of `c.dtype`.
+unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall) -> arx::Result<()> {
+    let (out_addr, out_n) = c.out;
+    let out: &mut [T] = if out_n == 0 {
+        &mut []
+    } else {
+        // SAFETY: `run`'s contract: a writable, aligned, exported buffer of
+        // `out_n` elements of T that nothing else accesses during the call.
+        unsafe { std::slice::from_raw_parts_mut(out_addr as *mut T, out_n) }
+    };
+    match c.input {
+        None => arx.allreduce_host_in_place(out),
+        Some((in_addr, in_n)) => {
+            let input: &[T] = if in_n == 0 {
+                &[]
+            } else {
+                // SAFETY: `run`'s contract: an aligned, exported buffer of
+                // `in_n` elements of T, disjoint from `out` (checked by `pair`).
+                unsafe { std::slice::from_raw_parts(in_addr as *const T, in_n) }
+            };
+            arx.allreduce_host(input, out)
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! `arx._arx`: the compiled part of the `arx` Python package. Its one class,
+//! `_Comm`, owns an [`arx::Arx`]; `arx/_comm.py` wraps it as `arx.Comm`,
+//! telling NumPy arrays, torch tensors and CuPy arrays apart. Every call
+//! releases the GIL while arx works; no Rust panic is expected on any path
+//! (arx itself never panics), and every failure is an `arx.Error` subclass
+//! (see `errors.rs`).
+
+use std::thread::ThreadId;
+
+use arx::{Arx, Dtype, Error};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+mod device;
+mod errors;
+mod host;
+mod logger;
+mod settings;
+
+use errors::{arx_err, usage_err, Usage};
+
+/// An instance handed between threads.
+struct Instance(Arx);
+
+// SAFETY: `Arx` is not `Send` only because it holds MPI communicator handles
+// (its bootstrap channel), which are plain handles usable from any thread
+// that MPI's thread level allows. Calls (`allreduce_*`, `describe`,
+// `refuse_call`) make no MPI call; dropping makes MPI calls and is only done
+// on the creating thread unless MPI provides MPI_THREAD_MULTIPLE (see
+// `Comm::drop_instance`). `Sync`: the instance is only reached through
+// `&mut` borrows that PyO3's borrow flag makes exclusive.
+unsafe impl Send for Instance {}
+// SAFETY: see `Send` above; no `&Instance` is ever shared between threads.
+unsafe impl Sync for Instance {}
+
+/// One arx instance (`arx.Comm` wraps it).
+#[pyclass(module = "arx._arx", name = "_Comm")]
+struct Comm {
+    inst: Option<Instance>,
+    rank: usize,
+    size: usize,
+    owner: ThreadId,
+    thread_multiple: bool,
+    device: &'static str,
+    cuda_device: Option<usize>,
+}
+
+/// The MPI library version string of the libmpi this module calls.
+fn mpi_library_version() -> String {
+    // SAFETY: reading an integer constant the MPI shim exports.
+    let cap = unsafe { mpi::ffi::RSMPI_MAX_LIBRARY_VERSION_STRING }.max(1) as usize;
+    let mut buf = vec![0u8; cap];
+    let mut len: std::os::raw::c_int = 0;
+    // SAFETY: `buf` holds MPI_MAX_LIBRARY_VERSION_STRING bytes, as the call
+    // requires; MPI allows this call before MPI_Init and after
+    // MPI_Finalize.
+    let rc = unsafe { mpi::ffi::MPI_Get_library_version(buf.as_mut_ptr().cast(), &mut len) };
+    if rc != 0 {
+        return String::new();
+    }
+    buf.truncate((len.max(0) as usize).min(cap));
+    String::from_utf8_lossy(&buf)
+        .trim_end_matches(['\0', ' ', '\n'])
+        .to_string()
+}
+
+fn mpi_unusable(call: &'static str, why: &str) -> Error {
+    Error::Mpi {
+        call,
+        detail: why.into(),
+    }
+}
+
+/// The C handle of an mpi4py communicator, from its Fortran handle
+/// (`comm.py2f()`): portable across MPI libraries, whatever their `MPI_Comm`
+/// is (a pointer in Open MPI, an int in MPICH).
+fn comm_from_fortran(fhandle: i64) -> Result<mpi::ffi::MPI_Comm, Error> {
+    // Outside MPI_Init .. MPI_Finalize Open MPI aborts the process on
+    // MPI_Comm_f2c: check first.
+    if !mpi::environment::is_initialized() {
+        return Err(mpi_unusable(
+            "MPI_Comm_f2c",
+            "MPI is not initialized (import mpi4py.MPI before creating an arx.Comm)",
+        ));
+    }
+    if mpi::environment::is_finalized() {
+        return Err(mpi_unusable("MPI_Comm_f2c", "MPI is already finalized"));
+    }
+    let f = std::os::raw::c_int::try_from(fhandle).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "communicator handle {fhandle} is not an MPI Fortran handle"
+        ))
+    })?;
+    // SAFETY: MPI is initialized and not finalized (checked); MPI_Comm_f2c
+    // returns MPI_COMM_NULL for a handle it does not know, which
+    // `build_raw` refuses.
+    Ok(unsafe { mpi::ffi::MPI_Comm_f2c(f) })
+}
+
+fn thread_multiple() -> bool {
+    let mut provided: std::os::raw::c_int = 0;
+    // SAFETY: called right after a successful `build_raw`, so MPI is
+    // initialized and not finalized; `provided` is a valid out-pointer.
+    let rc = unsafe { mpi::ffi::MPI_Query_thread(&mut provided) };
+    // SAFETY: reading an integer constant the MPI shim exports.
+    rc == 0 && provided == unsafe { mpi::ffi::RSMPI_THREAD_MULTIPLE }
+}
+
+impl Comm {
+    /// The instance for a call, or why there is none.
+    fn instance(&mut self) -> Result<&mut Arx, Usage> {
+        self.inst.as_mut().map(|i| &mut i.0).ok_or(Usage::Closed)
+    }
+
+    /// Whether this thread may make MPI calls on the instance (its drop):
+    /// the creating thread, or any thread under MPI_THREAD_MULTIPLE.
+    fn may_call_mpi(&self) -> bool {
+        self.thread_multiple || std::thread::current().id() == self.owner
+    }
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if let Some(inst) = self.inst.take() {
+            if self.may_call_mpi() {
+                drop(inst);
+            } else {
+                // Dropping would make MPI calls on a thread MPI's thread level
+                // does not allow: keep the instance (its proxy thread idles)
+                // rather than break MPI.
+                log::warn!(
+                    "arx: an arx.Comm was garbage-collected on another thread than its own \
+                     without MPI_THREAD_MULTIPLE; it is left open. Call close() on its thread."
+                );
+                std::mem::forget(inst);
+            }
+        }
+    }
+}
+
+/// Borrows the `Comm` for a call, or says why it cannot be.
+fn borrow<'py>(py: Python<'py>, slf: &Bound<'py, Comm>) -> PyResult<PyRefMut<'py, Comm>> {
+    slf.try_borrow_mut().map_err(|_| usage_err(py, Usage::Busy))
+}
+
+#[pymethods]
+impl Comm {
+    /// Collective: creates the instance on the communicator whose Fortran
+    /// handle is `fhandle` (mpi4py's `comm.py2f()`). `mpi4py_library` is
+    /// mpi4py's `MPI.Get_library_version()`: it must name the same MPI
+    /// library as this module's.
+    #[new]
+    #[pyo3(signature = (fhandle, settings=None, mpi4py_library=None))]
+    fn new(
+        py: Python<'_>,
+        fhandle: i64,
+        settings: Option<&Bound<'_, PyDict>>,
+        mpi4py_library: Option<String>,
+    ) -> PyResult<Self> {
+        logger::init();
+        if let Some(theirs) = mpi4py_library {
+            let ours = mpi_library_version();
+            let theirs = theirs.trim_end_matches(['\0', ' ', '\n']);
+            if ours != theirs {
+                return Err(arx_err(
+                    py,
+                    Error::Unavailable {
+                        what: "the MPI library of mpi4py",
+                        reason: format!(
+                            "mpi4py runs '{theirs}', arx was built against '{ours}': build \
+                             arx against the MPI library that mpi4py uses (mpicc on PATH)"
+                        ),
+                    },
+                ));
+            }
+        }
+        let builder = settings::builder(settings);
+        let comm = comm_from_fortran(fhandle).map_err(|e| arx_err(py, e))?;
+        let raw = SendComm(comm);
+        let built = py.detach(move || {
+            let raw = raw;
+            // SAFETY: `raw.0` is MPI_COMM_NULL or a live communicator of the
+            // MPI library this process runs (mpi4py's, checked above), which
+            // the caller's mpi4py object keeps alive during the call.
+            unsafe { builder.build_raw(raw.0) }.map(Instance)
+        });
+        let inst = built.map_err(|e| arx_err(py, e))?;
+        let d = inst.0.describe();
+        let cuda_device = inst.0.cuda_context().map(|c| c.ordinal());
+        Ok(Comm {
+            rank: d.rank,
+            size: d.world,
+            device: d.device,
+            cuda_device,
+            owner: std::thread::current().id(),
+            thread_multiple: thread_multiple(),
+            inst: Some(inst),
+        })
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the communicator.
+    #[getter]
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// "gpu" or "host".
+    #[getter]
+    fn device(&self) -> &'static str {
+        self.device
+    }
+
+    /// The CUDA device ordinal of a GPU instance, else None.
+    #[getter]
+    fn cuda_device(&self) -> Option<usize> {
+        self.cuda_device
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inst.is_none()
+    }
+
+    /// What the instance is made of.
+    fn describe<'py>(slf: &Bound<'py, Self>, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut me = borrow(py, slf)?;
+        let cuda_device = me.cuda_device;
+        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let d = arx.describe();
+        let c = arx.config();
+        let out = PyDict::new(py);
+        out.set_item("device", d.device)?;
+        out.set_item("fabric", d.fabric)?;
+        out.set_item("fabric_detail", d.fabric_detail)?;
+        out.set_item("region_bytes", d.region_bytes)?;
+        out.set_item("slot_bytes", d.slot_bytes)?;
+        out.set_item("world", d.world)?;
+        out.set_item("rank", d.rank)?;
+        out.set_item("cuda_device", cuda_device)?;
+        out.set_item("timeout", c.timeout.as_secs_f64())?;
+        out.set_item("init_timeout", c.init_timeout.as_secs_f64())?;
+        let max = PyDict::new(py);
+        for t in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+            let n = match t {
+                Dtype::F32 => arx.max_count::<f32>(),
+                Dtype::F16 => arx.max_count::<half::f16>(),
+                Dtype::Bf16 => arx.max_count::<half::bf16>(),
+            };
+            max.set_item(dtype_name(t), n)?;
+        }
+        out.set_item("max_count", max)?;
+        Ok(out)
+    }
+
+    /// Collective (a barrier with the Verbs fabric): frees the instance.
+    /// Closing a closed Comm does nothing.
+    fn close(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        if me.inst.is_none() {
+            return Ok(());
+        }
+        if !me.may_call_mpi() {
+            return Err(usage_err(
+                py,
+                Usage::Thread(
+                    "close() makes MPI calls: call it on the thread that created this \
+                     arx.Comm, or initialize MPI with MPI_THREAD_MULTIPLE (mpi4py's default)"
+                        .into(),
+                ),
+            ));
+        }
+        let inst = me.inst.take();
+        // Dropping waits for the GPU and, with Verbs, for the peers.
+        py.detach(move || drop(inst));
+        Ok(())
+    }
+
+    /// Host call on buffers (NumPy arrays): `input` into `out`, or in place
+    /// when `out` is None or the same memory. `dtype="bfloat16"` reads
+    /// 16-bit integer buffers as bfloat16 bits.
+    #[pyo3(signature = (input, out=None, dtype=None))]
+    fn allreduce_host(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+    ) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let checked = (|| {
+            let bf16 = match dtype {
+                None => false,
+                Some("bfloat16" | "bf16") => true,
+                Some(other) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "dtype='{other}': only dtype='bfloat16' (for uint16 buffers of \
+                         bfloat16 bits) may be given"
+                    )))
+                }
+            };
+            let i = host::view(input, "input", out.is_none(), bf16)?;
+            let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
+            let call = host::pair(&i, o.as_ref())?;
+            Ok((i, o, call))
+        })();
+        let (i, o, call) = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                let e = arx.refuse_call(host::count_hint(input), e);
+                return Err(arx_err(py, e));
+            }
+        };
+        let arx = SendArx(arx);
+        let r = py.detach(move || {
+            let arx = arx;
+            // SAFETY: `i` and `o` hold the exports checked by `view` and
+            // `pair` until after this call; the GIL is released, and the
+            // docs tell callers not to touch the arrays during the call.
+            unsafe { host::run(arx.0, &call) }
+        });
+        drop((i, o));
+        r.map_err(|e| arx_err(py, e))
+    }
+
+    /// GPU call on device addresses (torch tensors, CuPy arrays), enqueued
+    /// on `stream`. Private: `arx.Comm.allreduce` passes addresses of live
+    /// tensors it holds; `in_bytes`/`out_bytes` are their extents, for the
+    /// overlap check.
+    #[pyo3(signature = (input, out, count, out_count, dtype, out_dtype, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce_device(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        input: u64,
+        out: u64,
+        count: usize,
+        out_count: usize,
+        dtype: &str,
+        out_dtype: &str,
+        stream: u64,
+    ) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let call = match device::check(arx, input, out, count, out_count, dtype, out_dtype) {
+            Ok(c) => c,
+            Err(e) => return Err(arx_err(py, arx.refuse_call(count, e))),
+        };
+        let arx = SendArx(arx);
+        let r = py.detach(move || {
+            let arx = arx;
+            // SAFETY: `arx.Comm.allreduce` passes the data pointers, element
+            // counts and current stream of live CUDA tensors/arrays it holds
+            // (on this instance's device: checked by `device::check`); the
+            // work is ordered on `stream` like any kernel of the framework.
+            unsafe { device::run(arx.0, &call, stream) }
+        });
+        r.map_err(|e| arx_err(py, e))
+    }
+
+    /// Refuses this rank's part of the next call with `message` (an
+    /// argument error found in Python): peers fail at once naming this rank.
+    /// Always raises.
+    fn refuse(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        count: usize,
+        message: String,
+    ) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        Err(arx_err(
+            py,
+            arx.refuse_call(count, Error::InvalidArgument(message)),
+        ))
+    }
+
+    /// Waits for this instance's GPU work and raises the first error the
+    /// instance recorded, if any.
+    fn check(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        let arx = SendArx(me.instance().map_err(|u| usage_err(py, u))?);
+        py.detach(move || {
+            let arx = arx;
+            arx.0.check()
+        })
+        .map_err(|e| arx_err(py, e))
+    }
+}
+
+/// `&mut Arx` into a closure that runs with the GIL released (on the same
+/// thread: `Python::detach` runs it in place).
+struct SendArx<'a>(&'a mut Arx);
+// SAFETY: the closure runs on the calling thread; see `Instance`.
+unsafe impl Send for SendArx<'_> {}
+
+/// An MPI_Comm handle into `Python::detach` (same thread).
+struct SendComm(mpi::ffi::MPI_Comm);
+// SAFETY: a plain handle, used on the calling thread only.
+unsafe impl Send for SendComm {}
+
+pub(crate) fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::F32 => "float32",
+        Dtype::F16 => "float16",
+        Dtype::Bf16 => "bfloat16",
+    }
+}
+
+/// The compiled part of the `arx` package.
+#[pymodule]
+fn _arx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Comm>()?;
+    m.add("SETTINGS", settings::KEYWORDS.to_vec())?;
+    m.add("MPI_LIBRARY", mpi_library_version())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

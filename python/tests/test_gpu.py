@@ -1,0 +1,346 @@
+"""GPU tests of the arx Python module: torch tensors (bfloat16, float16,
+float32) eager, in place and out of place, on side streams, captured in
+torch.cuda.graph and replayed; CuPy arrays; the __cuda_array_interface__
+and DLPack paths; the torch custom op eagerly and under torch.compile; and
+the failures (a mismatched call, a refused call, a CUDA tensor on a host
+instance). Run by scripts/gpu-python on the GPU machine, several ranks on one
+GPU under MPS:
+
+    mpirun -n 2 python python/tests/test_gpu.py
+
+Self-checking like test_host.py (harness.py): seeded inputs per rank, the
+reference computed on every rank in NumPy, outputs poisoned (NaN) before
+each call, bit comparison.
+"""
+
+import sys
+
+import numpy as np
+import torch
+
+import arx
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, case, check, expect_error,
+                     expected, main, narrow, note, partial, same_bits, widen, wrong)
+
+TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+COMM = None
+DEV = None
+
+
+def to_torch(a, dtype, device=None):
+    """A NumPy partial (bfloat16 as uint16 bits) as a tensor on `device`."""
+    device = device or DEV
+    if dtype == "bfloat16":
+        return torch.from_numpy(a.view(np.int16).copy()).to(device).view(torch.bfloat16)
+    return torch.from_numpy(a.copy()).to(device)
+
+
+def from_torch(t, dtype):
+    """The tensor's bits in NumPy (after the current stream's work)."""
+    t = t.detach().cpu()
+    if dtype == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def nan_tensor(shape, dtype):
+    return torch.full(shape if isinstance(shape, tuple) else (shape,), float("nan"), dtype=TD[dtype],
+                      device=DEV)
+
+
+@case
+def a_gpu_instance_starts():
+    global COMM, DEV
+    COMM = arx.Comm(WORLD, device="gpu", timeout=60)
+    check(COMM.device == "gpu" and COMM.cuda_device is not None,
+          f"device {COMM.device}, cuda_device {COMM.cuda_device}")
+    DEV = torch.device("cuda", COMM.cuda_device)
+    torch.cuda.set_device(DEV)
+    d = COMM.describe()
+    note(f"{d['device']} over {d['fabric']}, CUDA device {d['cuda_device']} "
+         f"({torch.cuda.get_device_name(DEV)}), torch {torch.__version__}")
+
+
+@case
+def torch_eager_every_dtype_size_and_mode():
+    maxc = COMM.describe()["max_count"]
+    cid = 100
+    for dtype in ("bfloat16", "float16", "float32"):
+        for n in (1, 5, 4096, 65537, maxc[dtype]):
+            for in_place in (True, False):
+                cid += 1
+                name = f"torch {dtype} n={n} in_place={in_place}"
+                parts = [partial(cid, n, dtype, r) for r in range(SIZE)]
+                want = expected(parts, dtype)
+                x = to_torch(parts[RANK], dtype)
+                if in_place:
+                    got = COMM.allreduce(x)
+                    check(got is x, f"{name}: returned another object")
+                    res = from_torch(x, dtype)
+                else:
+                    out = nan_tensor(n, dtype)
+                    got = COMM.allreduce(x, out)
+                    check(got is out, f"{name}: did not return out")
+                    res = from_torch(out, dtype)
+                    check(same_bits(from_torch(x, dtype), parts[RANK]), f"{name}: the input changed")
+                check(same_bits(res, want), f"{name}: {wrong(res, want)}")
+    COMM.check()
+
+
+@case
+def torch_calls_follow_the_current_stream():
+    """On a side stream, a long kernel runs before the input is written:
+    a call enqueued anywhere else than the current stream reads the old
+    (zero) input and gives a wrong sum."""
+    n = 65536
+    for i, dtype in enumerate(("bfloat16", "float16", "float32")):
+        parts = [partial(200 + i, n, dtype, r) for r in range(SIZE)]
+        want = expected(parts, dtype)
+        src = to_torch(parts[RANK], dtype)
+        x = torch.zeros(n, dtype=TD[dtype], device=DEV)
+        out = nan_tensor(n, dtype)
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time
+            x.copy_(src)
+            COMM.allreduce(x, out)
+        s.synchronize()
+        res = from_torch(out, dtype)
+        check(same_bits(res, want), f"side stream {dtype}: {wrong(res, want)}")
+        # An explicit stream= argument wins over the current stream.
+        y = torch.zeros(n, dtype=TD[dtype], device=DEV)
+        torch.cuda.synchronize()
+        s2 = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(s2):
+            torch.cuda._sleep(100_000_000)
+            y.copy_(src)
+        COMM.allreduce(y, stream=s2)  # in place, on s2, from the default stream
+        s2.synchronize()
+        res = from_torch(y, dtype)
+        check(same_bits(res, want), f"stream= {dtype}: {wrong(res, want)}")
+
+
+@case
+def torch_graph_capture_replays():
+    replays, n = 200, 4096
+    for k, dtype in enumerate(("bfloat16", "float16", "float32")):
+        base = 1000 * (k + 1)
+        bank_parts = [[partial(base + i, n, dtype, r) for r in range(SIZE)] for i in range(replays)]
+        wants = [expected(p, dtype) for p in bank_parts]
+        bank = torch.stack([to_torch(p[RANK], dtype) for p in bank_parts])
+        x = torch.empty(n, dtype=TD[dtype], device=DEV)
+        out = nan_tensor(n, dtype)
+        # Eager first (warm-up), then capture one call.
+        x.copy_(bank[0])
+        COMM.allreduce(x, out)
+        res = from_torch(out, dtype)
+        check(same_bits(res, wants[0]), f"graph warm-up {dtype}: {wrong(res, wants[0])}")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            COMM.allreduce(x, out)
+        results = torch.empty((replays, n), dtype=TD[dtype], device=DEV)
+        for i in range(replays):
+            x.copy_(bank[i])
+            out.fill_(float("nan"))
+            g.replay()
+            results[i].copy_(out)
+        torch.cuda.synchronize()
+        got = from_torch(results, dtype)
+        bad = [i for i in range(replays) if not same_bits(got[i], wants[i])]
+        check(not bad, f"graph {dtype}: {len(bad)} of {replays} replays wrong, first {bad[:1]}: "
+                       f"{wrong(got[bad[0]], wants[bad[0]]) if bad else ''}")
+        COMM.check()
+
+    # Two calls and a torch op in one graph, in place: the second call's
+    # partial is twice the first's sum (the same on every rank).
+    dtype, n, replays = "bfloat16", 8192, 20
+    y = torch.empty(n, dtype=TD[dtype], device=DEV)
+    z = torch.empty_like(y)
+    out2 = nan_tensor(n, dtype)
+    y.copy_(to_torch(partial(5000, n, dtype, RANK), dtype))
+    COMM.allreduce(y)
+    torch.cuda.synchronize()
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        COMM.allreduce(y)
+        torch.mul(y, 2, out=z)
+        COMM.allreduce(z, out2)
+    for i in range(replays):
+        parts = [partial(5001 + i, n, dtype, r) for r in range(SIZE)]
+        s1 = expected(parts, dtype)
+        z_bits = narrow(widen(s1, dtype) * np.float32(2), dtype)
+        want2 = expected([z_bits] * SIZE, dtype)
+        y.copy_(to_torch(parts[RANK], dtype))
+        out2.fill_(float("nan"))
+        g2.replay()
+        r1, r2 = from_torch(y, dtype), from_torch(out2, dtype)
+        check(same_bits(r1, s1), f"graph of two calls, replay {i}, first: {wrong(r1, s1)}")
+        check(same_bits(r2, want2), f"graph of two calls, replay {i}, second: {wrong(r2, want2)}")
+    COMM.check()
+
+
+class CaiOnly:
+    """Only a __cuda_array_interface__ (the generic path)."""
+
+    def __init__(self, t):
+        self.t = t
+        self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+
+class DlpackOnly:
+    """Only DLPack (the DLPack path)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+@case
+def array_interface_and_dlpack_objects():
+    n = 3000
+    for i, dtype in enumerate(("float16", "float32")):
+        parts = [partial(300 + i, n, dtype, r) for r in range(SIZE)]
+        want = expected(parts, dtype)
+        x = to_torch(parts[RANK], dtype)
+        out = nan_tensor(n, dtype)
+        got = COMM.allreduce(CaiOnly(x), CaiOnly(out))
+        torch.cuda.synchronize()
+        check(isinstance(got, CaiOnly), "CAI: returns out")
+        res = from_torch(out, dtype)
+        check(same_bits(res, want), f"CAI {dtype}: {wrong(res, want)}")
+    for i, dtype in enumerate(("bfloat16", "float32")):
+        parts = [partial(310 + i, n, dtype, r) for r in range(SIZE)]
+        want = expected(parts, dtype)
+        x = to_torch(parts[RANK], dtype)
+        COMM.allreduce(DlpackOnly(x))
+        res = from_torch(x, dtype)
+        check(same_bits(res, want), f"DLPack {dtype}: {wrong(res, want)}")
+
+
+@case
+def cupy_arrays_if_present():
+    try:
+        import cupy
+    except ImportError:
+        note("CuPy not installed: CuPy arrays not tried")
+        return
+    n = 5000
+    with cupy.cuda.Device(COMM.cuda_device):
+        for i, dtype in enumerate(("float16", "float32")):
+            parts = [partial(400 + i, n, dtype, r) for r in range(SIZE)]
+            want = expected(parts, dtype)
+            x = cupy.asarray(parts[RANK])
+            out = cupy.full(n, np.nan, dtype=dtype)
+            got = COMM.allreduce(x, out)
+            check(got is out, "cupy: returns out")
+            res = cupy.asnumpy(out)
+            check(same_bits(res, want), f"cupy {dtype} out of place: {wrong(res, want)}")
+            # In place on a non-blocking CuPy stream, behind a long kernel:
+            # only a call on CuPy's current stream sees the written input.
+            s = cupy.cuda.Stream(non_blocking=True)
+            y = cupy.zeros(n, dtype=dtype)
+            cupy.cuda.Device().synchronize()
+            with s:
+                with torch.cuda.stream(torch.cuda.ExternalStream(s.ptr, device=DEV)):
+                    torch.cuda._sleep(100_000_000)
+                y.set(parts[RANK], stream=s)
+                COMM.allreduce(y)
+            s.synchronize()
+            res = cupy.asnumpy(y)
+            check(same_bits(res, want), f"cupy {dtype} on a side stream: {wrong(res, want)}")
+
+
+@case
+def the_torch_custom_op_eager_and_compiled():
+    import arx.torch as at
+
+    check(hasattr(torch.ops.arx, "all_reduce"), "torch.ops.arx.all_reduce is registered")
+    n = 2048
+    parts = [partial(600, n, "bfloat16", r) for r in range(SIZE)]
+    x = to_torch(parts[RANK], "bfloat16")
+    check(at.all_reduce_(x, COMM) is x, "all_reduce_ returns its tensor")
+    res = from_torch(x, "bfloat16")
+    want = expected(parts, "bfloat16")
+    check(same_bits(res, want), f"op eager: {wrong(res, want)}")
+
+    # Compiled: one opaque in-place op between two elementwise ops. A long
+    # timeout: each rank compiles before its first call, at its own pace.
+    with arx.Comm(WORLD, device="gpu", timeout=120) as cc:
+        def f(t):
+            y = t * 2
+            at.all_reduce_(y, cc)
+            return y + 1
+
+        for backend in ("aot_eager", "inductor"):
+            cf = torch.compile(f, backend=backend, fullgraph=True)
+            for i in range(3):
+                parts = [partial(610 + i, n, "float32", r) for r in range(SIZE)]
+                want = expected([p * np.float32(2) for p in parts], "float32") + np.float32(1)
+                try:
+                    r = cf(to_torch(parts[RANK], "float32"))
+                    res = from_torch(r, "float32")
+                    check(same_bits(res, want), f"torch.compile {backend}, call {i}: {wrong(res, want)}")
+                except arx.Error:
+                    raise
+                except Exception as e:  # noqa: BLE001 - a compiler problem is a failure
+                    check(False, f"torch.compile {backend}: {type(e).__name__}: {str(e)[:300]}")
+                    return
+        # CUDA graphs through torch.compile.
+        cf = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+        for i in range(5):
+            parts = [partial(620 + i, n, "float32", r) for r in range(SIZE)]
+            want = expected([p * np.float32(2) for p in parts], "float32") + np.float32(1)
+            r = cf(to_torch(parts[RANK], "float32"))
+            res = from_torch(r, "float32")
+            check(same_bits(res, want), f"torch.compile reduce-overhead, call {i}: {wrong(res, want)}")
+        cc.check()
+
+
+@case
+def a_cuda_tensor_on_a_host_instance_is_refused():
+    with arx.Comm(WORLD, device="host", timeout=FAIL_TIMEOUT) as hc:
+        x = torch.ones(16, device=DEV)
+        e, dt = expect_error(lambda: hc.allreduce(x), arx.InvalidArgumentError,
+                             contains=("host device side",), name="CUDA tensor, host instance")
+        check(dt < PROMPT, f"CUDA tensor, host instance: took {dt:.1f} s")
+
+
+@case
+def a_mismatched_gpu_call_fails_every_rank_at_once():
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        n = 1000 + (1 if RANK == SIZE - 1 else 0)
+        x = to_torch(partial(700, n, "float32", RANK), "float32")
+        e, dt = expect_error(lambda: (c.allreduce(x), c.check()), arx.CallMismatchError,
+                             name="GPU count mismatch")
+        check(dt < PROMPT, f"GPU count mismatch: took {dt:.1f} s")
+        check(bool(torch.isnan(x).all()), "GPU count mismatch: the output is not NaN")
+
+
+@case
+def a_refused_gpu_call_fails_the_others_at_once():
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        if RANK == SIZE - 1:
+            x = to_torch(partial(710, 2000, "float32", RANK), "float32")[::2]
+            e, dt = expect_error(lambda: c.allreduce(x), arx.InvalidArgumentError,
+                                 contains=("contiguous",), name="GPU refused here")
+        else:
+            x = to_torch(partial(710, 1000, "float32", RANK), "float32")
+            e, dt = expect_error(lambda: (c.allreduce(x), c.check()), arx.CallMismatchError,
+                                 contains=(f"rank {SIZE - 1}",), name="GPU refused by a peer")
+        check(dt < PROMPT, f"GPU refusal: took {dt:.1f} s")
+
+
+@case
+def close():
+    COMM.close()
+    expect_error(lambda: COMM.allreduce(torch.ones(4, device=DEV)), arx.ClosedError, name="after close")
+
+
+if __name__ == "__main__":
+    sys.exit(main("test_gpu.py"))

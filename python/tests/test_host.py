@@ -1,0 +1,417 @@
+"""Host-side tests of the arx Python module: run under mpirun, every rank.
+
+    mpirun -n 2 python python/tests/test_host.py
+    mpirun -n 3 --oversubscribe python python/tests/test_host.py
+
+Self-checking: every rank derives every rank's input from (seed, case,
+rank), computes the expected sum on its own in NumPy (partials added in rank
+order in float32, rounded once to the element type: arx's rule, see
+harness.py), poisons outputs before each call and compares bit patterns. A
+case never skips an MPI collective that other ranks make; the verdicts are
+gathered between cases. Exit status 0 only if every case passed on every
+rank. Needs no GPU and no torch (CPU tensors are tried if torch is there).
+"""
+
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import arx
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, case, check, expect_error,
+                     expected, main, note, partial, poison, same_bits, widen, wrong)
+
+
+def call_and_check(comm, case_id, n, dtype, in_place, name, shape=None, sub=None):
+    """One all-reduce on `comm` (ranks `sub` of the world, default all),
+    checked against the reference."""
+    ranks = sub if sub is not None else list(range(SIZE))
+    parts = [partial(case_id, n, dtype, ranks[r]) for r in range(len(ranks))]
+    want = expected(parts, dtype)
+    mine = parts[comm.rank].copy()
+    kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    if shape:
+        mine = mine.reshape(shape)
+        want = want.reshape(shape)
+    if in_place:
+        got = comm.allreduce(mine, **kw)
+        check(got is mine, f"{name}: in-place call returned another object")
+        check(same_bits(mine, want), f"{name}: wrong in-place result ({wrong(mine, want)})")
+    else:
+        orig = mine.copy()
+        out = poison(n, dtype, shape)
+        got = comm.allreduce(mine, out, **kw)
+        check(got is out, f"{name}: out-of-place call did not return out")
+        check(same_bits(out, want), f"{name}: wrong result ({wrong(out, want)})")
+        check(same_bits(mine, orig), f"{name}: the input changed")
+    return want
+
+
+# ---- the cases -------------------------------------------------------------
+
+@case
+def sums_every_dtype_size_and_mode():
+    with arx.Comm(WORLD) as comm:
+        check(comm.rank == RANK and comm.size == SIZE, f"rank/size {comm.rank}/{comm.size}")
+        maxc = comm.describe()["max_count"]
+        cid = 0
+        for dtype in ("float32", "float16", "bfloat16"):
+            for n in (1, 2, 3, 5, 17, 1000, 4096, 65537, maxc[dtype]):
+                for in_place in (True, False):
+                    cid += 1
+                    call_and_check(comm, cid, n, dtype, in_place, f"{dtype} n={n} in_place={in_place}")
+        # A 2-D C-contiguous array is a flat buffer to arx.
+        cid += 1
+        call_and_check(comm, cid, 64 * 33, "float32", False, "2-D", shape=(64, 33))
+        # An empty array is a call too (every rank makes it).
+        e = np.empty(0, np.float32)
+        check(comm.allreduce(e) is e, "empty array")
+
+
+@case
+def signed_zeros_follow_ieee_addition():
+    with arx.Comm(WORLD) as comm:
+        for dtype in ("float32", "float16", "bfloat16"):
+            want = call_and_check(comm, 500, 8, dtype, False, f"zeros {dtype}")
+            w = widen(want, dtype)
+            # The reference itself has -0.0 where every rank had -0.0 and
+            # +0.0 where only rank 0 had it: a result with the wrong sign of
+            # zero fails the bit comparison above.
+            check(bool(np.all(np.signbit(w[:4]))) and not np.signbit(w[4]),
+                  f"zeros {dtype}: the reference lost the signs of zero")
+
+
+@case
+def float16_rounds_once_from_a_float32_sum():
+    """The reference must be able to tell arx's rule from its neighbours:
+    with 3 or more ranks, rounding to float16 after every add (float16), and
+    summing in another order (float32), give different bits for some
+    elements of these inputs; arx's result must equal the rank-order float32
+    sum rounded once."""
+    n = 65536
+    with arx.Comm(WORLD) as comm:
+        for dtype in ("float16", "float32"):
+            parts = [partial(900, n, dtype, r) for r in range(SIZE)]
+            want = call_and_check(comm, 900, n, dtype, True, f"rule {dtype}")
+            if SIZE >= 3:
+                stepwise = parts[0].copy()
+                for p in parts[1:]:
+                    stepwise = (stepwise + p).astype(dtype)  # rounds every add
+                reverse = widen(parts[-1], dtype).copy()
+                for p in reversed(parts[:-1]):
+                    reverse = reverse + widen(p, dtype)
+                reverse = reverse.astype(dtype)
+                # (float16 partials add exactly in float32, in any order;
+                # float32 partials do not.)
+                if dtype == "float16":
+                    check(not same_bits(stepwise, want),
+                          "rule: stepwise float16 rounding gives the same bits; the test cannot tell")
+                else:
+                    check(not same_bits(reverse, want),
+                          "rule: float32 in reverse order gives the same bits; the test cannot tell")
+
+
+@case
+def ml_dtypes_bfloat16_if_present():
+    try:
+        import ml_dtypes
+    except ImportError:
+        note("ml_dtypes not installed: bfloat16 NumPy arrays not tried (uint16 bits were)")
+        return
+    with arx.Comm(WORLD) as comm:
+        parts = [partial(600, 1000, "bfloat16", r) for r in range(SIZE)]
+        want = expected(parts, "bfloat16")
+        x = parts[RANK].view(ml_dtypes.bfloat16).copy()
+        out = poison(1000, "bfloat16").view(ml_dtypes.bfloat16)
+        comm.allreduce(x, out)
+        check(same_bits(out.view(np.uint16), want), "ml_dtypes bfloat16")
+
+
+@case
+def torch_cpu_tensors_if_present():
+    try:
+        import torch
+    except ImportError:
+        note("torch not installed: CPU tensors not tried")
+        return
+    with arx.Comm(WORLD) as comm:
+        for dt, name in ((torch.float32, "float32"), (torch.float16, "float16"), (torch.bfloat16, "bfloat16")):
+            parts = [partial(700, 999, name, r) for r in range(SIZE)]
+            want = expected(parts, name)
+            mine = parts[RANK]
+            t = torch.from_numpy(mine.view(np.int16) if name == "bfloat16" else mine.copy())
+            t = t.view(torch.bfloat16) if name == "bfloat16" else t
+            t = t.clone()
+            got = comm.allreduce(t)
+            check(got is t, "torch cpu: in place returns the tensor")
+            gb = t.view(torch.int16).numpy().view(np.uint16) if name == "bfloat16" else t.numpy()
+            check(same_bits(gb, want), f"torch cpu {name}: wrong result")
+        # The custom op on a CPU tensor, eagerly.
+        import arx.torch as at
+        parts = [partial(701, 300, "float32", r) for r in range(SIZE)]
+        t = torch.from_numpy(parts[RANK].copy())
+        at.all_reduce_(t, comm)
+        check(same_bits(t.numpy(), expected(parts, "float32")), "torch.ops.arx.all_reduce on CPU")
+
+
+@case
+def a_mismatched_count_fails_every_rank_at_once():
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        n = 1000 + (1 if RANK == SIZE - 1 else 0)
+        x = partial(1, n, "float32", RANK)
+        e, dt = expect_error(lambda: comm.allreduce(x), arx.CallMismatchError, name="count mismatch")
+        check(isinstance(e, arx.MismatchError), "CallMismatchError is a MismatchError")
+        check(dt < PROMPT, f"count mismatch: took {dt:.1f} s (timeout {FAIL_TIMEOUT} s)")
+        check(str(SIZE - 1) in str(e) or RANK == SIZE - 1, f"count mismatch: the odd rank is not named: {e}")
+        # The instance is failed: the next call raises again (on every rank).
+        expect_error(lambda: comm.allreduce(partial(2, 1000, "float32", RANK)), arx.Error, name="after mismatch")
+
+
+@case
+def a_mismatched_dtype_fails_every_rank_at_once():
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        x = partial(3, 256, "float16" if RANK == 0 else "float32", RANK)
+        e, dt = expect_error(lambda: comm.allreduce(x), arx.CallMismatchError, name="dtype mismatch")
+        check(dt < PROMPT, f"dtype mismatch: took {dt:.1f} s")
+
+
+@case
+def bad_arguments_on_one_rank_fail_the_others_at_once():
+    """A call this binding refuses (here a non-contiguous array on the last
+    rank) is announced to the peers: they raise CallMismatchError naming
+    that rank at once instead of timing out."""
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        if RANK == SIZE - 1:
+            x = partial(4, 2000, "float32", RANK)[::2]
+            e, dt = expect_error(lambda: comm.allreduce(x), arx.InvalidArgumentError,
+                                 contains=("contiguous",), name="refused here")
+        else:
+            x = partial(4, 1000, "float32", RANK)
+            e, dt = expect_error(lambda: comm.allreduce(x), arx.CallMismatchError,
+                                 contains=(f"rank {SIZE - 1}", "refused"), name="refused by a peer")
+            check(getattr(e, "peer", None) == SIZE - 1, f"refused by a peer: peer attribute {getattr(e, 'peer', None)}")
+        check(dt < PROMPT, f"refusal: took {dt:.1f} s (timeout {FAIL_TIMEOUT} s)")
+
+
+@case
+def bad_arguments_raise_clear_errors():
+    """Each bad call (the same on every rank) raises InvalidArgumentError
+    on every rank, naming what is wrong. A refused call fails its Comm, so
+    each gets a fresh one."""
+    f32 = partial(5, 64, "float32", RANK)
+    ro = f32.copy()
+    ro.flags.writeable = False
+    big = np.zeros(8, dtype=">f4")
+    buf = np.zeros(100, np.float32)
+    bad = [
+        ("float64", lambda c: c.allreduce(f32.astype(np.float64)), ("float64",)),
+        ("int32", lambda c: c.allreduce(np.arange(8, dtype=np.int32)), ("format 'i'",)),
+        ("strided", lambda c: c.allreduce(np.zeros((8, 8), np.float32)[:, 1]), ("contiguous",)),
+        ("read-only in place", lambda c: c.allreduce(ro), ("read-only",)),
+        ("read-only out", lambda c: c.allreduce(f32, ro), ("read-only",)),
+        ("partial overlap", lambda c: c.allreduce(buf[:60], buf[40:]), ("overlap",)),
+        ("same start, other length", lambda c: c.allreduce(buf[:60], buf[:50]), ("overlap",)),
+        ("length", lambda c: c.allreduce(f32, np.zeros(63, np.float32)), ("64", "63")),
+        ("dtype pair", lambda c: c.allreduce(f32, np.zeros(64, np.float16)), ("float32", "float16")),
+        ("op", lambda c: c.allreduce(f32, op="max"), ("op='max'",)),
+        ("not a buffer", lambda c: c.allreduce([1.0, 2.0]), ("list",)),
+        ("byte order", lambda c: c.allreduce(big), ("'>f'",)),
+        ("dtype keyword", lambda c: c.allreduce(f32, dtype="int8"), ("dtype='int8'",)),
+        ("bfloat16 on floats", lambda c: c.allreduce(f32, dtype="bfloat16"), ("bfloat16",)),
+        ("too long", lambda c: c.allreduce(np.zeros(c.describe()["max_count"]["float32"] + 1, np.float32)),
+         ("exceed the slot",)),
+        ("kind pair", lambda c: c.allreduce(f32, object()), ()),
+    ]
+    for name, fn, words in bad:
+        with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: fn(comm), arx.InvalidArgumentError, contains=words, name=name)
+            check(isinstance(e, ValueError) and isinstance(e, TypeError),
+                  f"{name}: InvalidArgumentError should also be a ValueError and a TypeError")
+            check(dt < PROMPT, f"{name}: took {dt:.1f} s")
+            expect_error(lambda: comm.allreduce(f32.copy()), arx.Error, name=f"{name}: the Comm stays failed")
+
+
+@case
+def settings_take_effect():
+    with arx.Comm(WORLD, slot_bytes="64K", timeout=2.5, device="host", fabric="shm", spin=None) as comm:
+        d = comm.describe()
+        check(d["slot_bytes"] == 65536, f"slot_bytes {d['slot_bytes']}")
+        check(d["timeout"] == 2.5, f"timeout {d['timeout']}")
+        check(d["device"] == "host" and d["fabric"] == "shm", f"device/fabric {d['device']}/{d['fabric']}")
+        check(comm.device == "host" and comm.cuda_device is None, "device/cuda_device properties")
+        check(d["max_count"]["float32"] == 16384, f"max_count {d['max_count']}")
+        call_and_check(comm, 20, 16384, "float32", True, "a full 64K slot")
+        expect_error(lambda: comm.allreduce(np.ones(16385, np.float32)), arx.InvalidArgumentError,
+                     contains=("65536",), name="past a 64K slot")
+    with arx.Comm(WORLD, slot_bytes=4096, devices=["a", "b"], proxy_cpu=0, gid_index=3) as comm:
+        check(comm.describe()["slot_bytes"] == 4096, "slot_bytes as an int")
+
+
+@case
+def bad_settings_raise_on_every_rank():
+    e, _ = expect_error(lambda: arx.Comm(WORLD, timout=5), arx.InvalidArgumentError,
+                        contains=("timout", "timeout"), name="unknown setting")
+    check(isinstance(e, TypeError), "an unknown setting is also a TypeError")
+    for kw, words in (
+        ({"device": "tpu"}, ("device", "tpu", "auto, host, gpu")),
+        ({"fabric": 3}, ("fabric", "string")),
+        ({"timeout": -1}, ("timeout", "-1")),
+        ({"timeout": "abc"}, ("timeout", "'abc'")),
+        ({"timeout": 0}, ("Builder::timeout",)),
+        ({"slot_bytes": "12Q"}, ("slot_bytes", "12Q")),
+        ({"slot_bytes": -5}, ("slot_bytes",)),
+        ({"slot_bytes": 1.5}, ("slot_bytes",)),
+        ({"devices": 7}, ("devices",)),
+        ({"gid_index": True}, ("gid_index",)),
+    ):
+        e, _ = expect_error(lambda: arx.Comm(WORLD, **kw), arx.ConfigError, contains=words, name=f"setting {kw}")
+        check(isinstance(e, arx.InvalidArgumentError), f"{kw}: ConfigError is an InvalidArgumentError")
+    expect_error(lambda: arx.Comm(42), arx.InvalidArgumentError, contains=("mpi4py",), name="not a comm")
+    expect_error(lambda: arx.Comm(MPI.COMM_NULL), arx.Error, contains=("MPI_COMM_NULL",), name="COMM_NULL")
+
+
+@case
+def a_bad_setting_on_one_rank_fails_the_others_at_once():
+    kw = {"timout": 1} if RANK == SIZE - 1 else {}
+    cls = arx.InvalidArgumentError if RANK == SIZE - 1 else arx.PeerFailedError
+    e, dt = expect_error(lambda: arx.Comm(WORLD, init_timeout=FAIL_TIMEOUT, **kw), cls,
+                         contains=("timout",), name="setting refused on one rank")
+    if RANK != SIZE - 1:
+        check(getattr(e, "peer", None) == SIZE - 1, f"PeerFailedError.peer {getattr(e, 'peer', None)}")
+    check(dt < PROMPT, f"setting refused on one rank: took {dt:.1f} s (init_timeout {FAIL_TIMEOUT} s)")
+
+
+@case
+def settings_that_must_agree_are_checked():
+    kw = {"slot_bytes": "64K"} if RANK == 0 else {"slot_bytes": "128K"}
+    e, _ = expect_error(lambda: arx.Comm(WORLD, **kw), arx.MismatchError, contains=("ARX_SLOT_BYTES",),
+                        name="slot size differs")
+    check(getattr(e, "rank", None) == 1, f"MismatchError.rank {getattr(e, 'rank', None)}")
+
+
+@case
+def close_and_context_manager():
+    comm = arx.Comm(WORLD)
+    check(not comm.closed and repr(comm).startswith("<arx.Comm rank"), repr(comm))
+    with comm as c:
+        check(c is comm, "__enter__ returns the Comm")
+        call_and_check(c, 30, 100, "float32", True, "inside with")
+    check(comm.closed, "closed after with")
+    for name, fn in (("allreduce", lambda: comm.allreduce(np.ones(4, np.float32))),
+                     ("describe", comm.describe),
+                     ("with", lambda: comm.__enter__()),
+                     ("check", comm.check)):
+        e, _ = expect_error(fn, arx.ClosedError, contains=("closed",), name=f"{name} after close")
+        check(isinstance(e, arx.InvalidUsageError), "ClosedError is an InvalidUsageError")
+    comm.close()  # twice: nothing
+    # An error inside the with block still closes the Comm.
+    try:
+        with arx.Comm(WORLD) as c2:
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    check(c2.closed, "closed after an exception in with")
+
+
+@case
+def sub_communicators():
+    sub = WORLD.Split(color=RANK % 2, key=RANK)
+    members = [r for r in range(SIZE) if r % 2 == RANK % 2]
+    with arx.Comm(sub) as comm:
+        check(comm.size == len(members) and comm.rank == members.index(RANK), "sub rank/size")
+        call_and_check(comm, 40, 777, "float32", False, "split", sub=members)
+    sub.Free()
+    with arx.Comm(MPI.COMM_SELF) as one:
+        call_and_check(one, 41, 99, "float16", True, "one rank", sub=[RANK])
+
+
+@case
+def calls_release_the_gil_and_work_from_threads():
+    with arx.Comm(WORLD) as comm:
+        # Rank 0 waits inside allreduce for the last rank, which arrives
+        # 1 s late; a Python thread on rank 0 must run meanwhile.
+        count = [0]
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                count[0] += 1
+
+        # Meanwhile another thread's use of the same Comm is refused
+        # (describe: harmless if it ran, unlike a second collective call).
+        inside = threading.Event()
+        busy = {}
+
+        def other():
+            inside.wait()
+            time.sleep(0.3)
+            try:
+                comm.describe()
+                busy["result"] = "describe() ran during another thread's call"
+            except arx.InvalidUsageError as e:
+                busy["result"] = e
+            except Exception as e:  # noqa: BLE001
+                busy["result"] = f"{type(e).__name__}: {e}"
+
+        t = threading.Thread(target=spin)
+        t.start()
+        b = threading.Thread(target=other)
+        if RANK == 0:
+            b.start()
+        if RANK == SIZE - 1:
+            time.sleep(2.0)
+        x = partial(50, 64, "float32", RANK)
+        c0 = count[0]
+        inside.set()
+        comm.allreduce(x)
+        ran = count[0] - c0
+        stop.set()
+        t.join()
+        if RANK == 0:
+            b.join()
+            check(ran > 100, f"GIL held during the call: another thread counted {ran} in it")
+            check(isinstance(busy.get("result"), arx.InvalidUsageError)
+                  and "another thread" in str(busy["result"]),
+                  f"overlapping use from another thread: {busy.get('result')!r}")
+        # A call from another thread (MPI_THREAD_MULTIPLE is mpi4py's default).
+        res = {}
+
+        def work():
+            try:
+                res["want"] = call_and_check(comm, 51, 500, "float32", False, "from a thread")
+            except Exception as e:  # noqa: BLE001
+                res["error"] = e
+
+        w = threading.Thread(target=work)
+        w.start()
+        w.join()
+        check("error" not in res, f"call from a thread raised {res.get('error')!r}")
+
+
+class FakeCudaArray:
+    """An object with a __cuda_array_interface__ (no GPU needed: the
+    checks and the host instance's refusal come before any CUDA call)."""
+
+    def __init__(self, typestr="<f4", shape=(8,), strides=None, ptr=0x10000, readonly=False):
+        self.__cuda_array_interface__ = {"version": 3, "typestr": typestr, "shape": shape,
+                                         "strides": strides, "data": (ptr, readonly), "stream": 1}
+
+
+@case
+def cuda_arrays_are_checked_and_refused_by_a_host_instance():
+    for name, make, words in (
+        ("host instance", lambda: FakeCudaArray(), ("host device side", "device='gpu'")),
+        ("float64", lambda: FakeCudaArray(typestr="<f8"), ("'<f8'",)),
+        ("strided", lambda: FakeCudaArray(shape=(4, 4), strides=(32, 4)), ("not C-contiguous",)),
+        ("read-only", lambda: FakeCudaArray(readonly=True), ("read-only",)),
+    ):
+        with arx.Comm(WORLD, device="host", timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: comm.allreduce(make()), arx.InvalidArgumentError,
+                                 contains=words, name=f"cuda array: {name}")
+            check(dt < PROMPT, f"cuda array: {name}: took {dt:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main("test_host.py"))
