@@ -572,7 +572,7 @@ impl Drop for GpuSide {
             if let Err(e) = marked {
                 log::warn!("arx: could not mark the GPU state closed: {e}");
             }
-            self.region.ctrl().abort().store(1, Ordering::Release);
+            crate::protocol::raise_abort(&*self.region);
             self.order.leak();
             std::mem::forget(Arc::clone(&self.region));
             log::info!(
