@@ -217,9 +217,12 @@ pub(crate) fn alloc_region(ctx: &Arc<CudaContext>, len: usize) -> Result<Region>
             log::warn!("arx: cuMemFreeHost failed: {e}");
         }
     });
-    // SAFETY: page-aligned (cuMemHostAlloc), `len` bytes, freed only by the
-    // backing closure when the region drops.
-    unsafe { Region::from_raw(p.cast(), len, Backing::Custom(Some(free))) }
+    // SAFETY: `len` bytes (page-aligned in practice, checked next), freed
+    // only by the backing closure when the region drops.
+    let region = unsafe { Region::from_raw(p.cast(), len, Backing::Custom(Some(free))) }?;
+    // The NIC registers it next (ibv_reg_mr): whole pages only.
+    region.check_pages("cuMemHostAlloc")?;
+    Ok(region)
 }
 
 /// Everything the GPU side of one instance holds.
@@ -276,6 +279,7 @@ impl GpuSide {
             });
         }
         let registration = if register {
+            region.check_pages("cuMemHostRegister")?;
             let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
             // SAFETY: the region's memory is mapped, page-aligned and lives
             // as long as the registration (which holds an Arc to it).

@@ -306,16 +306,19 @@ pub(crate) fn establish(boot: &Bootstrap, layout: &Layout) -> Result<ShmSetup> {
     let regions = (0..world)
         .map(|r| {
             let owner: Box<dyn Send + Sync> = Box::new(Arc::clone(&seg));
-            // SAFETY: rank r's part lies inside the mapping, starts on a page
-            // (region sizes are page multiples), and the Arc keeps it mapped.
-            unsafe {
+            // SAFETY: rank r's part lies inside the mapping and the Arc
+            // keeps it mapped.
+            let part = unsafe {
                 Region::from_raw(
                     seg.base.add(r * per_rank),
                     per_rank,
                     Backing::Borrowed(owner),
                 )
-            }
-            .map(Arc::new)
+            }?;
+            // Whole pages (region sizes are multiples of the agreed page):
+            // the GPU side registers each part on its own.
+            part.check_pages("shm segment part")?;
+            Ok(Arc::new(part))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ShmSetup { regions, name })

@@ -11,8 +11,9 @@
 //! `ARX_SECTION_ALIGN` (4 KiB), and the largest any rank reports when ranks
 //! run on different kernels ([`Layout::agreed`]). So `cuMemHostRegister`,
 //! `ibv_reg_mr` and the Shm fabric's per-rank parts cover whole pages on
-//! every kernel. The receive area keeps a slot for this rank too (unused) so
-//! that `recv[p][src]` needs no special case.
+//! every kernel ([`check_pages`] verifies it where memory is registered).
+//! The receive area keeps a slot for this rank too (unused) so that
+//! `recv[p][src]` needs no special case.
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -55,6 +56,36 @@ pub(crate) fn page_size() -> Result<usize> {
             object: "this process".into(),
             detail: format!("returned {p}, not a page size"),
         })
+}
+
+/// Checks that `len` bytes at `addr`, about to be handed to `call`
+/// (`cuMemHostRegister`, `ibv_reg_mr`, a rank's part of the Shm segment),
+/// are whole pages of `page` bytes (the kernel's, [`page_size`]). Both
+/// calls work on whole pages: `ibv_reg_mr` pins them and marks them
+/// `MADV_DONTFORK`, `cuMemHostRegister` page-locks and maps them, so a range
+/// sharing a page with other memory would pin it, or hide it from a forked
+/// child, too. The layout makes every region whole pages of the page all
+/// ranks agreed on (at least this kernel's), and mappings start on a page:
+/// this check turns a violation of that into an error naming `call`
+/// instead of a silent partial page.
+pub(crate) fn check_pages(
+    call: &'static str,
+    what: &str,
+    addr: usize,
+    len: usize,
+    page: usize,
+) -> Result<()> {
+    if len == 0 || addr % page != 0 || len % page != 0 {
+        return Err(Error::Os {
+            call,
+            object: what.to_string(),
+            detail: format!(
+                "{len} bytes at {addr:#x} are not whole pages of {page} bytes (the page \
+                 size the kernel reports); arx registers whole pages only"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The page every rank aligns to: the largest any rank reported (a multiple

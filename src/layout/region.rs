@@ -179,6 +179,19 @@ impl Region {
         }
     }
 
+    /// Checks that the region is whole pages of the kernel's page before it
+    /// is handed to `call` (see [`super::check_pages`]).
+    pub(crate) fn check_pages(&self, call: &'static str) -> Result<()> {
+        let what = format!("region of {} bytes", self.len);
+        super::check_pages(
+            call,
+            &what,
+            self.ptr.as_ptr() as usize,
+            self.len,
+            super::page_size()?,
+        )
+    }
+
     /// Control block words.
     pub(crate) fn ctrl(&self) -> Ctrl<'_> {
         Ctrl(self)
