@@ -27,6 +27,7 @@ use crate::proxy::Link;
 pub(crate) mod gpu;
 mod nvrtc;
 pub(crate) mod order;
+pub(crate) mod platform;
 pub(crate) mod status;
 
 /// Which side runs the calls.
