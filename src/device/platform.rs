@@ -167,7 +167,7 @@ fn yes(b: bool) -> &'static str {
     }
 }
 
-/// "GPU: <name>, integrated: yes/no (...attributes...), chose: ...".
+/// `GPU: <name>, integrated: yes/no (attributes), chose: ...`.
 impl fmt::Display for GpuPlatform {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let a = &self.attrs;
