@@ -11,7 +11,8 @@
 //! (`arx::topology::report`: devices, PCIe links, ports, GIDs, MTU, the lane
 //! choice), this rank's proxy core (`arx::topology::select_from` for its
 //! place on the node), what libibverbs lists, the locked-memory limit judged
-//! by `arx::topology::check_memlock`, the GPU probe `arx::gpu_available`, and
+//! by `arx::topology::check_memlock`, the GPU probe `arx::gpu_available` and,
+//! per device, `arx::gpu_platform` (integrated or not, and what arx chose), and
 //! calls checked against the independent reference of `arx::verify`.
 
 use std::fmt::Write as _;
@@ -236,17 +237,18 @@ fn cuda(r: &mut Report) {
         };
         use sys::CUdevice_attribute::*;
         r.line(format!(
-            "  device {i}: {}, compute capability {}.{}, {} SMs{}",
+            "  device {i}: {}, compute capability {}.{}, {} SMs",
             result::device::get_name(d).unwrap_or_default(),
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
             attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-            if attr(CU_DEVICE_ATTRIBUTE_INTEGRATED) == 1 {
-                ", integrated (shares host memory)"
-            } else {
-                ""
-            }
         ));
+        // Integrated or not, and what the GPU side chooses for it (decided
+        // from the device's attributes, as an instance does at start-up).
+        match arx::gpu_platform(i as usize) {
+            Ok(p) => r.line(format!("  {p}")),
+            Err(e) => r.problem(format!("device {i}: {e}")),
+        }
     }
 }
 

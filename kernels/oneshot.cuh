@@ -149,7 +149,8 @@ __device__ void oneshot_run(const arx_params_t &p) {
                     const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
                                     ((u64)(par * world + q) * ARX_LANES + lane);
                     u64 f = ld_acquire_sys_u64(fp);
-                    if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) == seq32) {
+                    u32 fseq = (u32)(f >> ARX_FLAG_SEQ_SHIFT);
+                    if (fseq == seq32) {
                         if (f != flag) {
                             /* Same call, other count or dtype. */
                             arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
@@ -157,6 +158,13 @@ __device__ void oneshot_run(const arx_params_t &p) {
                         } else if (k < 32) {
                             have |= 1u << k;
                         }
+                    } else if (fseq == seq32 + 2u) {
+                        /* Two calls ahead: only a failed peer's poisoned flag
+                         * (for its failing call + 1) gets here, overwriting
+                         * its flag of this call; fail now, not at the
+                         * deadline (src/protocol.rs, `look`). */
+                        arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
+                        bad = 1;
                     } else {
                         ok = 0;
                     }

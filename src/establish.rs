@@ -109,6 +109,15 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     } else {
         None
     };
+    // What the GPU is (integrated or not) decides how its region is
+    // allocated (device::platform).
+    let platform = match &ctx {
+        Some(c) => Some(boot.agree(
+            "GPU attributes",
+            device::platform::GpuPlatform::read(c.ordinal()),
+        )?),
+        None => None,
+    };
 
     // Region and fabric. The topology (lanes, proxy CPU) is chosen once,
     // for the Verbs fabric and the proxy.
@@ -123,9 +132,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
             )
         }
         _ => {
-            let region = match &ctx {
-                Some(c) => device::gpu::alloc_region(c, layout.region_bytes()),
-                None => Region::anonymous(layout.region_bytes()),
+            let region = match (&ctx, &platform) {
+                (Some(c), Some(p)) => device::gpu::alloc_region(c, p, layout.region_bytes()),
+                _ => Region::anonymous(layout.region_bytes()),
             };
             let region = Arc::new(boot.agree("region", region)?);
             let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
@@ -144,12 +153,17 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         .store(cfg.timeout.as_nanos() as u64, Ordering::Relaxed);
     // The GPU side is complete (region mapped, kernels loaded, device
     // state initialised) before the proxy starts.
-    let side = match ctx {
-        Some(ctx) => {
+    let side = match ctx.zip(platform) {
+        Some((ctx, platform)) => {
+            // The Shm segment, and an mmap'd region on a coherent
+            // integrated GPU, are registered; cuMemHostAlloc's is mapped.
+            let register = fabric_kind == FabricKind::Shm
+                || platform.region == device::platform::RegionAlloc::MmapRegister;
             let g = device::gpu::GpuSide::new(
                 ctx,
+                platform,
                 Arc::clone(&region),
-                fabric_kind == FabricKind::Shm,
+                register,
                 layout,
                 &cfg,
                 ranks_on_node,

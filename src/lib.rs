@@ -213,8 +213,10 @@ mod error;
 mod establish;
 mod fabric;
 mod layout;
+mod protocol;
 mod proxy;
 mod spin;
+mod sync;
 pub mod topology;
 pub mod verify;
 mod wire;
@@ -233,6 +235,7 @@ pub use config::{
     DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, MAX_GPU_BLOCKS, MAX_GPU_UNROLL, MAX_SPIN_HOT, MAX_TIMEOUT,
     MIN_TIMEOUT,
 };
+pub use device::platform::{GpuAttrs, GpuPlatform, RegionAlloc};
 pub use dtype::{CallDesc, CallKind, Dtype, Element};
 pub use error::{Error, Result};
 pub use layout::Layout;
@@ -246,6 +249,20 @@ use proxy::Proxy;
 /// here (no libcuda, no libnvrtc, no device). Never panics.
 pub fn gpu_available() -> Result<usize> {
     device::gpu::device_count()
+}
+
+/// What CUDA device `ordinal` reports (integrated or not, and how it
+/// reaches host memory) and what the GPU device side chooses for it (see
+/// [`GpuPlatform`]); the same as an instance logs at start-up.
+pub fn gpu_platform(ordinal: usize) -> Result<GpuPlatform> {
+    let n = device::gpu::device_count()?;
+    if ordinal >= n {
+        return Err(Error::Unavailable {
+            what: "the requested CUDA device",
+            reason: format!("device {ordinal} asked for, {n} visible"),
+        });
+    }
+    GpuPlatform::read(ordinal)
 }
 
 /// One all-reduce instance over a communicator.

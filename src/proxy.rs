@@ -19,6 +19,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
 use crate::layout::{peer_flags, Layout, Region};
+use crate::protocol;
 use crate::spin::Backoff;
 
 /// The fabric and how far it has posted. Whoever holds the lock posts every
@@ -64,19 +65,19 @@ impl Shared {
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
             Err(std::sync::TryLockError::WouldBlock) => return false,
         };
-        let ctrl = self.region.ctrl();
-        let published = ctrl.seq().load(Ordering::Acquire);
+        let region = &*self.region;
+        let published = protocol::published(region);
         let mut busy = false;
+        // `failed`: Acquire pairs with `record`'s Release store, though only
+        // the flag itself is used here (the error is read under its mutex).
         while g.posted < published && !self.failed.load(Ordering::Acquire) {
             let seq = g.posted + 1;
             // meta[p] of seq stays until seq+2 is published, which cannot
-            // happen before this post reached every peer.
-            let p = (seq & 1) as usize;
-            let flag = ctrl.meta(p).load(Ordering::Acquire);
-            // The device side published the byte count with the call; a
-            // count past the slot is a bug or a corrupted control block:
-            // refuse rather than read past the slot.
-            let bytes = ctrl.bytes(p).load(Ordering::Acquire);
+            // happen before this post reached every peer. The device side
+            // published the byte count with the call; a count past the slot
+            // is a bug or a corrupted control block: refuse rather than read
+            // past the slot.
+            let (flag, bytes) = protocol::announced(region, seq);
             let Ok(bytes) = usize::try_from(bytes) else {
                 self.record(Error::Proxy(format!(
                     "call {seq}: published size {bytes} bytes"
@@ -103,13 +104,13 @@ impl Shared {
         let sent = next_sent(
             g.sent,
             g.posted,
-            ctrl.seq().load(Ordering::Acquire),
+            protocol::published(region),
             g.fabric.completed_through(g.posted),
             self.failed.load(Ordering::Acquire) && g.fabric.quiescent(),
         );
         if sent > g.sent {
             g.sent = sent;
-            ctrl.sent().store(sent, Ordering::Release);
+            protocol::release_sent(region, sent);
         }
         busy
     }
@@ -117,7 +118,7 @@ impl Shared {
     /// True once everything published was posted and completed.
     fn drained(&self) -> bool {
         let g = self.engine.lock().unwrap_or_else(|e| e.into_inner());
-        g.posted >= self.region.ctrl().seq().load(Ordering::Acquire) && g.fabric.quiescent()
+        g.posted >= protocol::published(&*self.region) && g.fabric.quiescent()
     }
 
     fn posted(&self) -> u64 {
@@ -126,6 +127,8 @@ impl Shared {
 
     /// The error the proxy recorded, if any.
     pub fn error(&self) -> Option<Error> {
+        // Acquire: pairs with `record`'s Release store (the error itself is
+        // under its mutex, which orders it anyway).
         if !self.failed.load(Ordering::Acquire) {
             return None;
         }
@@ -138,8 +141,10 @@ impl Shared {
             log::error!("arx proxy: {e}");
             *g = Some(e);
         }
+        // Release: a thread that sees `failed` (or the abort word, next) and
+        // then asks for the error finds it stored above.
         self.failed.store(true, Ordering::Release);
-        self.region.ctrl().abort().store(1, Ordering::Release);
+        protocol::raise_abort(&*self.region);
     }
 }
 
@@ -204,6 +209,8 @@ impl Proxy {
                 struct Gone<'a>(&'a AtomicBool);
                 impl Drop for Gone<'_> {
                     fn drop(&mut self) {
+                        // Release/Acquire (`health`): only the flag is
+                        // read; Relaxed would do, this is not a hot path.
                         self.0.store(false, Ordering::Release);
                     }
                 }
@@ -266,6 +273,8 @@ impl Proxy {
     /// the timeout) and joins it. The fabric stays alive until the proxy is
     /// dropped, so that the caller can close collectively in between.
     pub fn stop(&mut self) {
+        // Release/Acquire (`run`): the thread then only reads what it reads
+        // under the engine lock anyway; Relaxed would do.
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             // Checked: no timeout may make this overflow (the settings are
@@ -365,6 +374,8 @@ impl Watchdog {
 
     fn check(&mut self, s: &Shared, layout: &Layout) {
         let ctrl = s.region.ctrl();
+        // Relaxed would do for both: two progress counters compared for a
+        // log line, no data read on their account.
         let done = ctrl.done().load(Ordering::Acquire);
         let published = ctrl.seq().load(Ordering::Acquire);
         if done != self.last_done || published <= done {
@@ -508,27 +519,27 @@ mod tests {
         }
         ctrl.seq().store(3, Ordering::Release);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !ctrl.aborted() {
+        while !protocol::aborted(&*region) {
             assert!(Instant::now() < deadline, "the failure was never recorded");
             std::thread::sleep(Duration::from_millis(1));
         }
         assert!(proxy.link().error().is_some());
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(
-            ctrl.sent().load(Ordering::Acquire),
+            protocol::sent_through(&*region),
             0,
             "call 1 still in flight"
         );
         // Call 1's writes complete (or are flushed): nothing is outstanding.
         control.completed.store(1, Ordering::Release);
-        while ctrl.sent().load(Ordering::Acquire) < 3 {
+        while protocol::sent_through(&*region) < 3 {
             assert!(
                 Instant::now() < deadline,
                 "sent stayed at {}",
-                ctrl.sent().load(Ordering::Acquire)
+                protocol::sent_through(&*region)
             );
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(ctrl.sent().load(Ordering::Acquire), 3);
+        assert_eq!(protocol::sent_through(&*region), 3);
     }
 }

@@ -15,7 +15,8 @@ use crate::abi;
 use crate::device::status;
 use crate::dtype::{sum_in_rank_order, Element};
 use crate::error::Result;
-use crate::layout::{flag_seq, flag_word, Layout, Region};
+use crate::layout::{flag_word, Layout, Placed, Region};
+use crate::protocol::{self, Look, Memory};
 use crate::proxy::Link;
 use crate::spin::Backoff;
 use crate::{Config, Staging};
@@ -58,12 +59,11 @@ pub(crate) fn host<T: Element>(
         cfg,
         link,
     } = *env;
-    let me = layout.rank();
     let world = layout.world();
     let count = output.len();
     let bytes = std::mem::size_of_val(output);
-    let p = (seq & 1) as usize;
-    let ctrl = region.ctrl();
+    let p = protocol::parity(seq);
+    let mem = Placed { region, layout };
     let flag = flag_word(seq, T::DTYPE.code(), count);
 
     // 1. Stage the partial, announce the call, publish seq (release).
@@ -73,9 +73,9 @@ pub(crate) fn host<T: Element>(
     };
     // SAFETY: send[p] is ours again: its last use, call seq-2, reached
     // every peer before that peer could end seq-2 and send the seq-1 flag
-    // this rank needed to end seq-1. `src` is the caller's memory.
-    unsafe { region.write(layout.send_offset(p), src) };
-    ctrl.publish(seq, flag, bytes);
+    // this rank needed to end seq-1. `src` is the caller's memory; the slot
+    // check bounds its length.
+    unsafe { protocol::stage_and_publish(&mem, seq, flag, src) };
     // Post it from this thread rather than waking the proxy (same order:
     // posting is serialised by the engine lock).
     link.pump(true);
@@ -97,14 +97,12 @@ pub(crate) fn host<T: Element>(
             }
             // Flag i: peer number i / 2 in `Layout::peers` order, lane i % 2.
             let (q, lane) = (layout.peer(i / 2), i % 2);
-            let f = region
-                .u64_at(layout.flag_offset(p, q, lane))
-                .load(Ordering::Acquire);
-            if flag_seq(f) != seq as u32 {
-                continue;
-            }
-            if f != flag {
-                return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
+            match protocol::look(&mem, seq, flag, q, lane) {
+                Look::Missing(_) => continue,
+                Look::Mismatch(f) => {
+                    return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
+                }
+                Look::Arrived => {}
             }
             arrived[i / 64] |= 1 << (i % 64);
             missing -= 1;
@@ -118,8 +116,8 @@ pub(crate) fn host<T: Element>(
         // Keep our own sends moving (verbs completions, a full send queue)
         // while waiting.
         link.pump(false);
-        if ctrl.aborted() || start.elapsed() > cfg.timeout {
-            let code = if ctrl.aborted() {
+        if protocol::aborted(region) || start.elapsed() > cfg.timeout {
+            let code = if protocol::aborted(region) {
                 abi::ARX_STATUS_ABORTED
             } else {
                 abi::ARX_STATUS_TIMEOUT
@@ -129,9 +127,10 @@ pub(crate) fn host<T: Element>(
                 .find(|&i| arrived[i / 64] & (1 << (i % 64)) == 0)
                 .unwrap_or(0);
             let (q, lane) = (layout.peer(i / 2), i % 2);
-            let f = region
-                .u64_at(layout.flag_offset(p, q, lane))
-                .load(Ordering::Acquire);
+            let f = match protocol::look(&mem, seq, flag, q, lane) {
+                Look::Missing(f) | Look::Mismatch(f) => f,
+                Look::Arrived => flag,
+            };
             return Err(env.fail(code, q, lane as u32, seq, f));
         }
         backoff.idle();
@@ -140,15 +139,11 @@ pub(crate) fn host<T: Element>(
     // 3. Sum in rank order (own partial from the send slot: the same bytes
     //    every peer received).
     let part = |r: usize, at: usize, dst: &mut [u8]| {
-        let off = if r == me {
-            layout.send_offset(p)
-        } else {
-            layout.recv_offset(p, r)
-        };
         debug_assert!(at + dst.len() <= bytes);
-        // SAFETY: these slots are not written again before call seq+2,
-        // which cannot start before this call returns.
-        unsafe { region.read_into(off + at, dst) }
+        // SAFETY: every peer's flags for this call were acquired above (and
+        // our own slot is ours); these slots are not written again before
+        // call seq+2, which cannot start before this call returns.
+        unsafe { mem.read_partial(p, r, at, dst) }
     };
     sum_in_rank_order(world, part, output);
 
@@ -162,7 +157,9 @@ pub(crate) fn host<T: Element>(
     if cfg.staging == Staging::CopyEngine {
         wait_sent(env, seq)?;
     }
-    ctrl.done().store(seq, Ordering::Release);
+    // Release as the kernel's store, though the watchdog needs no more than
+    // Relaxed (see `Ctrl::done`).
+    region.ctrl().done().store(seq, Ordering::Release);
     Ok(())
 }
 
@@ -171,11 +168,11 @@ pub(crate) fn host<T: Element>(
 /// the abort word (the proxy also releases `sent` after a failure, once
 /// nothing it posted is outstanding).
 fn wait_sent(env: &Env<'_>, seq: u64) -> Result<()> {
-    let ctrl = env.region.ctrl();
+    let region = env.region;
     let start = Instant::now();
     let mut backoff = Backoff::new(env.cfg.spin, env.cfg.spin_hot.unwrap_or(64));
     loop {
-        if ctrl.sent().load(Ordering::Acquire) >= seq {
+        if protocol::sent_through(region) >= seq {
             return Ok(());
         }
         if env.link.pump(false) {
@@ -183,7 +180,7 @@ fn wait_sent(env: &Env<'_>, seq: u64) -> Result<()> {
         }
         // Own sends: the kernel's convention (peer = this rank, no lane).
         let me = env.layout.rank();
-        if ctrl.aborted() {
+        if protocol::aborted(region) {
             return Err(env.fail(abi::ARX_STATUS_ABORTED, me, u32::MAX, seq, 0));
         }
         if start.elapsed() > env.cfg.timeout {
@@ -279,7 +276,7 @@ mod tests {
         }
 
         fn sent(&self) -> u64 {
-            self.region.ctrl().sent().load(Ordering::Acquire)
+            crate::protocol::sent_through(&*self.region)
         }
     }
 
@@ -358,6 +355,37 @@ mod tests {
             Err(e) => panic!("unexpected error {e}"),
         }
         assert!(r.proxy.link().error().is_some());
+    }
+
+    /// A peer whose fabric failed in call 2 poisons calls 2 and 3 (the
+    /// Verbs fabric's `poison`); the poison for call 3 overwrites its flags
+    /// of call 1 before this rank read them. The call must fail at once,
+    /// naming the peer, not wait for its timeout (found by the loom model,
+    /// `poisoned_flags_fail_the_peer_at_once`).
+    #[test]
+    fn a_poisoned_flag_two_calls_ahead_fails_the_call_at_once() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        let poison = flag_word(3, crate::abi::ARX_DTYPE_INVALID, crate::dtype::POISON_COUNT);
+        for lane in 0..2 {
+            r.region
+                .u64_at(r.layout.flag_offset(1, 1, lane))
+                .store(poison, Ordering::Release);
+        }
+        let t = std::time::Instant::now();
+        let (res, _) = r.call(1);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        match res {
+            Err(Error::CallMismatch {
+                peer: 1,
+                seq: 1,
+                theirs,
+                ..
+            }) => {
+                assert_eq!(theirs.kind, crate::CallKind::FabricFailed, "{theirs:?}");
+            }
+            other => panic!("expected a mismatch naming peer 1, got {other:?}"),
+        }
+        r.control.completed.store(1, Ordering::Release);
     }
 
     #[test]

@@ -36,6 +36,7 @@ use crate::abi;
 use crate::config::Staging;
 use crate::device::nvrtc;
 use crate::device::order::Order;
+use crate::device::platform::{GpuPlatform, RegionAlloc};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::layout::{Backing, Layout, Region};
@@ -195,9 +196,18 @@ pub(crate) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))
 }
 
-/// Allocates the region in mapped pinned host memory (Verbs fabric: the NIC
-/// and the GPU both reach it).
-pub(crate) fn alloc_region(ctx: &Arc<CudaContext>, len: usize) -> Result<Region> {
+/// Allocates the region for the Verbs fabric (the NIC and the GPU both
+/// reach it) as `platform` chose: mapped pinned memory from
+/// `cuMemHostAlloc`, or ordinary anonymous memory that [`GpuSide::new`]
+/// registers (`RegionAlloc::MmapRegister`, coherent integrated GPUs).
+pub(crate) fn alloc_region(
+    ctx: &Arc<CudaContext>,
+    platform: &GpuPlatform,
+    len: usize,
+) -> Result<Region> {
+    if platform.region == RegionAlloc::MmapRegister {
+        return Region::anonymous(len);
+    }
     ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
     let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
     // SAFETY: a fresh allocation; freed exactly once by the backing closure.
@@ -217,9 +227,12 @@ pub(crate) fn alloc_region(ctx: &Arc<CudaContext>, len: usize) -> Result<Region>
             log::warn!("arx: cuMemFreeHost failed: {e}");
         }
     });
-    // SAFETY: page-aligned (cuMemHostAlloc), `len` bytes, freed only by the
-    // backing closure when the region drops.
-    unsafe { Region::from_raw(p.cast(), len, Backing::Custom(Some(free))) }
+    // SAFETY: `len` bytes (page-aligned in practice, checked next), freed
+    // only by the backing closure when the region drops.
+    let region = unsafe { Region::from_raw(p.cast(), len, Backing::Custom(Some(free))) }?;
+    // The NIC registers it next (ibv_reg_mr): whole pages only.
+    region.check_pages("cuMemHostAlloc")?;
+    Ok(region)
 }
 
 /// Everything the GPU side of one instance holds.
@@ -242,6 +255,8 @@ pub(crate) struct GpuSide {
     unroll: Option<u32>,
     ordinal: usize,
     arch: String,
+    /// What the device reported and what was chosen for it.
+    platform: GpuPlatform,
 }
 
 // SAFETY: the raw handles and device addresses are only used through the
@@ -253,8 +268,10 @@ impl GpuSide {
     /// Sets up the GPU side over `region` (already allocated): maps it into
     /// the GPU if `register`, compiles and loads the kernels, allocates and
     /// initialises the device state. Runs before the proxy starts.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ctx: Arc<CudaContext>,
+        platform: GpuPlatform,
         region: Arc<Region>,
         register: bool,
         layout: Layout,
@@ -266,16 +283,11 @@ impl GpuSide {
         // at start-up); the kernel keeps it in device state for speed.
         let timeout_ns = region.ctrl().timeout_ns().load(Ordering::Relaxed);
         ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
-        let can_map = ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
-            .map_err(cuda_err("cuDeviceGetAttribute"))?;
-        if can_map == 0 {
-            return Err(Error::Unavailable {
-                what: "the GPU device side",
-                reason: "the device cannot map host memory".into(),
-            });
-        }
+        // (`GpuPlatform::decide` refused a device that cannot map host
+        // memory.)
+        log::info!("arx: {platform}");
         let registration = if register {
+            region.check_pages("cuMemHostRegister")?;
             let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
             // SAFETY: the region's memory is mapped, page-aligned and lives
             // as long as the registration (which holds an Arc to it).
@@ -284,7 +296,7 @@ impl GpuSide {
                     .result()
                     .map_err(|e| Error::Cuda {
                         call: "cuMemHostRegister",
-                        detail: format!("{} bytes of the shm segment: {e}", region.len()),
+                        detail: format!("{} bytes of the region: {e}", region.len()),
                     })?;
             }
             Some(Registration {
@@ -303,6 +315,15 @@ impl GpuSide {
                 .result()
                 .map_err(cuda_err("cuMemHostGetDevicePointer"))?;
         }
+        log::debug!(
+            "arx: region at {:p} on the host, {region_dev:#x} on the GPU{}",
+            region.as_ptr(),
+            if region_dev == region.as_ptr() as u64 {
+                " (the same address)"
+            } else {
+                ""
+            }
+        );
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("cuDeviceGetAttribute"))?;
@@ -363,6 +384,7 @@ impl GpuSide {
             max_blocks,
             unroll: cfg.gpu_unroll,
             arch,
+            platform,
         })
     }
 
@@ -373,10 +395,21 @@ impl GpuSide {
 
     /// One line for logs and headers.
     pub(crate) fn describe(&self) -> String {
+        let kind = if self.platform.attrs.integrated {
+            "integrated"
+        } else {
+            "discrete"
+        };
         format!(
-            "gpu {} ({}), staging {:?}, up to {} blocks",
+            "gpu {} ({}, {kind}), staging {:?}, up to {} blocks",
             self.ordinal, self.arch, self.staging, self.max_blocks
         )
+    }
+
+    /// What the device reported and what was chosen for it.
+    #[allow(dead_code)] // read by tests and through `arx::gpu_platform`
+    pub(crate) fn platform(&self) -> &GpuPlatform {
+        &self.platform
     }
 
     /// Launch shape for `count` elements of `dtype`, `aligned` or not:
@@ -572,7 +605,7 @@ impl Drop for GpuSide {
             if let Err(e) = marked {
                 log::warn!("arx: could not mark the GPU state closed: {e}");
             }
-            self.region.ctrl().abort().store(1, Ordering::Release);
+            crate::protocol::raise_abort(&*self.region);
             self.order.leak();
             std::mem::forget(Arc::clone(&self.region));
             log::info!(

@@ -27,6 +27,7 @@ use crate::proxy::Link;
 pub(crate) mod gpu;
 mod nvrtc;
 pub(crate) mod order;
+pub(crate) mod platform;
 pub(crate) mod status;
 
 /// Which side runs the calls.
@@ -218,9 +219,8 @@ impl Device {
         match self.next_host_seq() {
             Ok(seq) => {
                 let c = count.min(abi::ARX_MAX_COUNT as usize);
-                self.region
-                    .ctrl()
-                    .publish(seq, flag_word(seq, abi::ARX_DTYPE_INVALID, c), 0);
+                let word = flag_word(seq, abi::ARX_DTYPE_INVALID, c);
+                crate::protocol::publish(&*self.region, seq, word, 0);
                 let _ = self.host_seq_done(seq);
             }
             Err(e) => log::warn!("arx: could not announce the refused call to peers: {e}"),

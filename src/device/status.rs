@@ -17,44 +17,31 @@ use crate::abi;
 use crate::dtype::CallDesc;
 use crate::error::Error;
 use crate::layout::{flag_call, flag_seq, peer_flags, Layout, Region};
+use crate::protocol::{self, Recorded};
 use crate::proxy::Link;
 
 /// Records a failure unless one was recorded before (the first one stays).
 pub(crate) fn record(region: &Region, code: u32, peer: u32, lane: u32, seq: u64, flag: u64) {
-    let ctrl = region.ctrl();
-    // Claim the slot first (like the kernel's CAS on its device status) so
-    // that only the first failure writes the details.
-    if ctrl
-        .status()
-        .compare_exchange(0, u32::MAX, Ordering::AcqRel, Ordering::Acquire)
-        .is_err()
-    {
-        return;
-    }
-    ctrl.err_peer().store(peer, Ordering::Relaxed);
-    ctrl.err_lane().store(lane, Ordering::Relaxed);
-    ctrl.err_seq().store(seq, Ordering::Relaxed);
-    ctrl.err_flag().store(flag, Ordering::Relaxed);
-    ctrl.status().store(code, Ordering::Release);
+    protocol::record(region, code, peer, lane, seq, flag);
 }
 
 /// The error recorded in the control block, if any.
 pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Error> {
     let ctrl = region.ctrl();
-    let status = ctrl.status().load(Ordering::Acquire);
-    if status == abi::ARX_STATUS_OK || status == u32::MAX {
-        // (u32::MAX: a host-side record in progress on this thread only;
-        // never seen by the same thread that records.)
-        return None;
-    }
+    let Recorded {
+        code: status,
+        peer,
+        lane,
+        seq,
+        flag,
+    } = protocol::recorded(region)?;
     let me = layout.rank();
-    let seq = ctrl.err_seq().load(Ordering::Relaxed);
-    let peer = ctrl.err_peer().load(Ordering::Relaxed);
-    let lane = ctrl.err_lane().load(Ordering::Relaxed);
-    let flag = ctrl.err_flag().load(Ordering::Relaxed);
     let own = lane == u32::MAX && peer as usize == me;
     Some(match status {
         abi::ARX_STATUS_MISMATCH => {
+            // Relaxed: written by this rank's own device side before it
+            // recorded the failure (same thread, or the kernel before the
+            // synchronize that precedes this read).
             let ours = ctrl.meta((seq & 1) as usize).load(Ordering::Relaxed);
             let (od, on) = flag_call(ours);
             let (td, tn) = flag_call(flag);
@@ -71,6 +58,8 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
             detail: format!("rank {me}: aborted (abort word set) while waiting"),
         }),
         abi::ARX_STATUS_TIMEOUT => {
+            // Relaxed: written once at start-up, before any thread or kernel
+            // that reads it was started.
             let waited = Duration::from_nanos(ctrl.timeout_ns().load(Ordering::Relaxed));
             if own {
                 Error::Timeout {
@@ -80,7 +69,7 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
                         "rank {me}, call {seq}: its own proxy reports sends complete only up to call {} \
                          (or the staging did not finish); the local NIC has not completed them \
                          (are the peers' NICs acknowledging?)",
-                        ctrl.sent().load(Ordering::Acquire)
+                        protocol::sent_through(region)
                     ),
                 }
             } else {

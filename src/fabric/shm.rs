@@ -6,6 +6,8 @@
 //! program order, and the receiver reads the flag with an acquire load (the
 //! Host device side) or `ld.acquire.sys` (the GPU kernel), so a flag is never
 //! visible before its data — the same guarantee RDMA writes on one RC QP give.
+//! The send itself is `protocol::post_shm`, which the loom model (`loom/`)
+//! checks.
 //!
 //! # The segment's life
 //!
@@ -34,13 +36,13 @@
 //! `tests/shm.rs`.
 
 use std::ffi::{CStr, CString};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
-use crate::layout::{Backing, Layout, Region};
+use crate::layout::{Backing, Layout, Placed, Region};
+use crate::protocol;
 
 /// One mapping of the node's shared segment.
 pub(crate) struct Segment {
@@ -304,16 +306,19 @@ pub(crate) fn establish(boot: &Bootstrap, layout: &Layout) -> Result<ShmSetup> {
     let regions = (0..world)
         .map(|r| {
             let owner: Box<dyn Send + Sync> = Box::new(Arc::clone(&seg));
-            // SAFETY: rank r's part lies inside the mapping, starts on a page
-            // (region sizes are page multiples), and the Arc keeps it mapped.
-            unsafe {
+            // SAFETY: rank r's part lies inside the mapping and the Arc
+            // keeps it mapped.
+            let part = unsafe {
                 Region::from_raw(
                     seg.base.add(r * per_rank),
                     per_rank,
                     Backing::Borrowed(owner),
                 )
-            }
-            .map(Arc::new)
+            }?;
+            // Whole pages (region sizes are multiples of the agreed page):
+            // the GPU side registers each part on its own.
+            part.check_pages("shm segment part")?;
+            Ok(Arc::new(part))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ShmSetup { regions, name })
@@ -342,25 +347,18 @@ impl Fabric for ShmFabric {
     }
 
     fn post(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
-        let p = (seq & 1) as usize;
-        let me = self.layout.rank();
-        let mine = &self.regions[me];
-        let src = self.layout.send_offset(p);
-        for q in self.layout.peers() {
-            let peer = &self.regions[q];
-            let dst = self.layout.recv_offset(p, me);
-            for lane in 0..2 {
-                let r = Layout::lane_range(bytes, lane);
-                // SAFETY: our send slot of parity p is stable until every
-                // peer has our flag for this seq, and the peer reads
-                // recv[p][me] only after that flag (kernels/arx_abi.h, rule 5 of
-                // DESIGN.md): nothing else touches either range now.
-                unsafe { mine.copy_to(src + r.start, peer, dst + r.start, r.len()) };
-                // Release: the copy above is visible before the flag.
-                peer.u64_at(self.layout.flag_offset(p, me, lane))
-                    .store(flag, Ordering::Release);
-            }
-        }
+        let layout = &self.layout;
+        let me = layout.rank();
+        let at = |q: usize| Placed {
+            region: &self.regions[q],
+            layout,
+        };
+        // SAFETY: the proxy posts every published call in order, once; our
+        // send slot of parity p is stable until every peer has our flag for
+        // this seq, and the peer reads recv[p][me] only after that flag
+        // (kernels/arx_abi.h, rule 5 of DESIGN.md): nothing else touches
+        // either range now.
+        unsafe { protocol::post_shm(&at(me), me, layout.peers().map(at), seq, bytes, flag) };
         Ok(())
     }
 

@@ -11,8 +11,9 @@
 //! `ARX_SECTION_ALIGN` (4 KiB), and the largest any rank reports when ranks
 //! run on different kernels ([`Layout::agreed`]). So `cuMemHostRegister`,
 //! `ibv_reg_mr` and the Shm fabric's per-rank parts cover whole pages on
-//! every kernel. The receive area keeps a slot for this rank too (unused) so
-//! that `recv[p][src]` needs no special case.
+//! every kernel ([`check_pages`] verifies it where memory is registered).
+//! The receive area keeps a slot for this rank too (unused) so that
+//! `recv[p][src]` needs no special case.
 
 use std::ops::Range;
 use std::sync::atomic::Ordering;
@@ -20,10 +21,11 @@ use std::sync::atomic::Ordering;
 use crate::abi;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
+pub use crate::protocol::{flag_call, flag_seq, flag_word};
 
 mod region;
-pub(crate) use region::Backing;
 pub use region::Region;
+pub(crate) use region::{Backing, Placed};
 
 /// Bytes of the control block.
 pub(crate) const CTRL_BYTES: usize = std::mem::size_of::<abi::arx_ctrl_t>();
@@ -54,6 +56,36 @@ pub(crate) fn page_size() -> Result<usize> {
             object: "this process".into(),
             detail: format!("returned {p}, not a page size"),
         })
+}
+
+/// Checks that `len` bytes at `addr`, about to be handed to `call`
+/// (`cuMemHostRegister`, `ibv_reg_mr`, a rank's part of the Shm segment),
+/// are whole pages of `page` bytes (the kernel's, [`page_size`]). Both
+/// calls work on whole pages: `ibv_reg_mr` pins them and marks them
+/// `MADV_DONTFORK`, `cuMemHostRegister` page-locks and maps them, so a range
+/// sharing a page with other memory would pin it, or hide it from a forked
+/// child, too. The layout makes every region whole pages of the page all
+/// ranks agreed on (at least this kernel's), and mappings start on a page:
+/// this check turns a violation of that into an error naming `call`
+/// instead of a silent partial page.
+pub(crate) fn check_pages(
+    call: &'static str,
+    what: &str,
+    addr: usize,
+    len: usize,
+    page: usize,
+) -> Result<()> {
+    if len == 0 || addr % page != 0 || len % page != 0 {
+        return Err(Error::Os {
+            call,
+            object: what.to_string(),
+            detail: format!(
+                "{len} bytes at {addr:#x} are not whole pages of {page} bytes (the page \
+                 size the kernel reports); arx registers whole pages only"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The page every rank aligns to: the largest any rank reported (a multiple
@@ -225,32 +257,8 @@ impl Layout {
     /// half (rounded up to 16 bytes) on lane 0, the rest on lane 1. A lane
     /// may carry nothing for tiny partials; its flag is sent all the same.
     pub fn lane_range(bytes: usize, lane: usize) -> Range<usize> {
-        let half = align_up(bytes.div_ceil(2), abi::ARX_LANE_ALIGN as usize).min(bytes);
-        match lane {
-            0 => 0..half,
-            _ => half..bytes,
-        }
+        crate::protocol::lane_range(bytes, lane)
     }
-}
-
-/// Packs the flag word for call `seq` of `count` elements of `dtype`.
-pub fn flag_word(seq: u64, dtype: u32, count: usize) -> u64 {
-    ((seq & 0xffff_ffff) << abi::ARX_FLAG_SEQ_SHIFT)
-        | (u64::from(dtype & abi::ARX_FLAG_DTYPE_MASK) << abi::ARX_FLAG_DTYPE_SHIFT)
-        | (count as u64 & u64::from(abi::ARX_FLAG_COUNT_MASK))
-}
-
-/// The seq bits of a flag word.
-pub fn flag_seq(flag: u64) -> u32 {
-    (flag >> abi::ARX_FLAG_SEQ_SHIFT) as u32
-}
-
-/// The (dtype, count) bits of a flag word.
-pub fn flag_call(flag: u64) -> (u32, usize) {
-    (
-        ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
-        (flag & u64::from(abi::ARX_FLAG_COUNT_MASK)) as usize,
-    )
 }
 
 /// "peer q lane l: arrived|missing (last call s of this parity, n x dtype)"
@@ -261,9 +269,10 @@ pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
     let mut out = Vec::new();
     for q in layout.peers() {
         for lane in 0..LANES {
+            // Relaxed: a diagnostic; only the word itself is used.
             let f = region
                 .u64_at(layout.flag_offset(p, q, lane))
-                .load(Ordering::Acquire);
+                .load(Ordering::Relaxed);
             let (d, n) = flag_call(f);
             let state = if flag_seq(f) == seq as u32 {
                 "arrived"

@@ -2,11 +2,14 @@
 //! bounds-checked atomics for the words that cross threads or devices, and
 //! raw copies for the data sections.
 
+use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
+use super::Layout;
 use crate::abi;
 use crate::error::{Error, Result};
+use crate::protocol::{Control, Memory, Word, Word32};
 
 /// Who releases a region's memory.
 pub(crate) enum Backing {
@@ -176,6 +179,19 @@ impl Region {
         }
     }
 
+    /// Checks that the region is whole pages of the kernel's page before it
+    /// is handed to `call` (see [`super::check_pages`]).
+    pub(crate) fn check_pages(&self, call: &'static str) -> Result<()> {
+        let what = format!("region of {} bytes", self.len);
+        super::check_pages(
+            call,
+            &what,
+            self.ptr.as_ptr() as usize,
+            self.len,
+            super::page_size()?,
+        )
+    }
+
     /// Control block words.
     pub(crate) fn ctrl(&self) -> Ctrl<'_> {
         Ctrl(self)
@@ -208,7 +224,9 @@ macro_rules! ctrl_off {
     };
 }
 
-#[allow(dead_code)] // error words are written by the GPU kernel
+// Orderings: each access is in `crate::protocol`, with its reason, except
+// `done` (the watchdog's progress report, see `Ctrl::done`) and
+// `timeout_ns` (written once at start-up, see `establish`).
 impl Ctrl<'_> {
     pub fn seq(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(seq))
@@ -216,48 +234,92 @@ impl Ctrl<'_> {
     pub fn meta(&self, parity: usize) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(meta) + 8 * parity)
     }
+    /// The last call the device side finished. Read only by the watchdog to
+    /// tell progress from a stall, so `Relaxed` suffices on both sides (the
+    /// host side stores it with `Release` as the kernel does, harmlessly).
     pub fn done(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(done))
-    }
-    pub fn abort(&self) -> &AtomicU32 {
-        self.0.u32_at(ctrl_off!(abort))
-    }
-    pub fn status(&self) -> &AtomicU32 {
-        self.0.u32_at(ctrl_off!(status))
-    }
-    pub fn err_peer(&self) -> &AtomicU32 {
-        self.0.u32_at(ctrl_off!(err_peer))
-    }
-    pub fn err_lane(&self) -> &AtomicU32 {
-        self.0.u32_at(ctrl_off!(err_lane))
-    }
-    pub fn err_seq(&self) -> &AtomicU64 {
-        self.0.u64_at(ctrl_off!(err_seq))
-    }
-    pub fn err_flag(&self) -> &AtomicU64 {
-        self.0.u64_at(ctrl_off!(err_flag))
     }
     pub fn timeout_ns(&self) -> &AtomicU64 {
         self.0.u64_at(ctrl_off!(timeout_ns))
     }
-    pub fn bytes(&self, parity: usize) -> &AtomicU64 {
-        self.0.u64_at(ctrl_off!(bytes) + 8 * parity)
+}
+
+impl Control for Region {
+    fn word(&self, w: Word) -> &AtomicU64 {
+        let off = match w {
+            Word::Seq => ctrl_off!(seq),
+            Word::Meta(p) => ctrl_off!(meta) + 8 * p,
+            Word::Bytes(p) => ctrl_off!(bytes) + 8 * p,
+            Word::Sent => ctrl_off!(sent),
+            Word::ErrSeq => ctrl_off!(err_seq),
+            Word::ErrFlag => ctrl_off!(err_flag),
+        };
+        self.u64_at(off)
     }
-    pub fn sent(&self) -> &AtomicU64 {
-        self.0.u64_at(ctrl_off!(sent))
+    fn word32(&self, w: Word32) -> &AtomicU32 {
+        let off = match w {
+            Word32::Abort => ctrl_off!(abort),
+            Word32::Status => ctrl_off!(status),
+            Word32::ErrPeer => ctrl_off!(err_peer),
+            Word32::ErrLane => ctrl_off!(err_lane),
+        };
+        self.u32_at(off)
     }
-    /// Publishes call `seq` (host device side; the kernel does the same in
-    /// `kernels/oneshot.cuh`): its flag word and byte count, then `seq` with
-    /// release, so the proxy that acquires `seq` sees both and the staged
-    /// partial.
-    pub fn publish(&self, seq: u64, flag: u64, bytes: usize) {
-        let p = (seq & 1) as usize;
-        self.meta(p).store(flag, Ordering::Relaxed);
-        self.bytes(p).store(bytes as u64, Ordering::Relaxed);
-        self.seq().store(seq, Ordering::Release);
+}
+
+/// A region with the layout of its offsets: what the protocol's steps
+/// (`crate::protocol`) read and write. For a peer's region in the Shm
+/// segment, `layout` is this rank's: the offsets of the flags and receive
+/// slots that a sender writes are the same in every rank's layout.
+#[derive(Clone, Copy)]
+pub(crate) struct Placed<'a> {
+    pub region: &'a Region,
+    pub layout: &'a Layout,
+}
+
+impl Control for Placed<'_> {
+    fn word(&self, w: Word) -> &AtomicU64 {
+        self.region.word(w)
     }
-    /// True once the abort word is set.
-    pub fn aborted(&self) -> bool {
-        self.abort().load(Ordering::Acquire) != 0
+    fn word32(&self, w: Word32) -> &AtomicU32 {
+        self.region.word32(w)
+    }
+}
+
+impl Memory for Placed<'_> {
+    fn flag(&self, parity: usize, src: usize, lane: usize) -> &AtomicU64 {
+        self.region
+            .u64_at(self.layout.flag_offset(parity, src, lane))
+    }
+    unsafe fn write_send(&self, parity: usize, src: &[u8]) {
+        assert!(
+            src.len() <= self.layout.slot_bytes(),
+            "partial exceeds the slot"
+        );
+        // SAFETY: the slot is the caller's (the trait's contract), which is
+        // `Region::write`'s.
+        unsafe { self.region.write(self.layout.send_offset(parity), src) }
+    }
+    unsafe fn read_partial(&self, parity: usize, src: usize, at: usize, dst: &mut [u8]) {
+        let off = if src == self.layout.rank() {
+            self.layout.send_offset(parity)
+        } else {
+            self.layout.recv_offset(parity, src)
+        };
+        assert!(
+            at + dst.len() <= self.layout.slot_bytes(),
+            "read past the slot"
+        );
+        // SAFETY: nothing writes these bytes now (the trait's contract,
+        // which is `Region::read_into`'s).
+        unsafe { self.region.read_into(off + at, dst) }
+    }
+    unsafe fn copy_send(&self, parity: usize, range: Range<usize>, peer: &Self, from: usize) {
+        assert!(range.end <= self.layout.slot_bytes(), "copy past the slot");
+        let src = self.layout.send_offset(parity) + range.start;
+        let dst = peer.layout.recv_offset(parity, from) + range.start;
+        // SAFETY: the trait's contract, which is `Region::copy_to`'s.
+        unsafe { self.region.copy_to(src, peer.region, dst, range.len()) }
     }
 }

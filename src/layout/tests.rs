@@ -215,3 +215,55 @@ fn copy_to_moves_a_slot_between_regions() {
     unsafe { b.read_into(l.recv_offset(1, 0) + 4000, &mut after) };
     assert_eq!(after, [0; 8]);
 }
+
+/// The ranges arx registers (`ibv_reg_mr`: a region; `cuMemHostRegister`:
+/// a rank's part of the Shm segment, at r x region) are whole pages under a
+/// 16 KiB and a 64 KiB kernel when the layout follows that page, and a
+/// layout aligned to 4 KiB only is refused there, naming the call.
+#[test]
+fn registration_ranges_are_whole_pages_at_16k_and_64k() {
+    for page in [16384, 65536] {
+        // A mapping starts on a page (mmap, shm_open + mmap, cuMemHostAlloc).
+        let base = 5 * page;
+        for world in [1, 2, 3, 8] {
+            for slot in [1, 4096, 4097, 1 << 20] {
+                let l = Layout::with_page(world, 0, slot, page).unwrap();
+                let len = l.region_bytes();
+                check_pages("ibv_reg_mr", "region", base, len, page).unwrap();
+                for r in 0..world {
+                    check_pages("cuMemHostRegister", "part", base + r * len, len, page).unwrap();
+                }
+                // The segment as a whole (posix_fallocate, mmap).
+                check_pages("mmap", "segment", base, world * len, page).unwrap();
+            }
+        }
+        // A rank whose layout followed a 4 KiB page (no agreement): its
+        // second part starts inside a page of this kernel.
+        let small = Layout::with_page(3, 0, 4097, 4096).unwrap();
+        assert_ne!(small.region_bytes() % page, 0);
+        let e = check_pages(
+            "cuMemHostRegister",
+            "part",
+            base + small.region_bytes(),
+            small.region_bytes(),
+            page,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("cuMemHostRegister") && e.contains(&page.to_string()),
+            "{e}"
+        );
+        // A base inside a page, and an empty range, are refused too.
+        assert!(check_pages("ibv_reg_mr", "region", base + 4096, page, page).is_err());
+        assert!(check_pages("ibv_reg_mr", "region", base, 0, page).is_err());
+    }
+}
+
+/// The region arx maps itself passes the check against the kernel's page.
+#[test]
+fn an_anonymous_region_is_whole_pages_of_the_kernels_page() {
+    let l = Layout::new(3, 1, 5000).unwrap();
+    let r = Region::anonymous(l.region_bytes()).unwrap();
+    r.check_pages("ibv_reg_mr").unwrap();
+}

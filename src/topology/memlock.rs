@@ -33,12 +33,24 @@ pub(super) fn check_memlock_with(needed: usize, soft: u64, hard: u64) -> Result<
 }
 
 /// Locked bytes one instance registers, about: send\[2\]\[slot\] and
-/// recv\[2\]\[world\]\[slot\] plus a page-rounded control block and flags
-/// (an estimate for reports; the fabric checks the real region size).
+/// recv\[2\]\[world\]\[slot\], each slot rounded up to this kernel's page
+/// as the layout does, plus a page-rounded control block and flags (an
+/// estimate for reports; the fabric checks the real region size).
 pub fn memlock_needed(slot_bytes: usize, world: usize) -> usize {
+    let page = crate::layout::page_size().unwrap_or(crate::abi::ARX_SECTION_ALIGN as usize);
+    memlock_needed_with(slot_bytes, world, page)
+}
+
+/// [`memlock_needed`] for a kernel whose page is `page` bytes.
+fn memlock_needed_with(slot_bytes: usize, world: usize, page: usize) -> usize {
+    let page = page.max(crate::abi::ARX_SECTION_ALIGN as usize);
     slot_bytes
+        .div_ceil(page)
+        .saturating_mul(page)
         .saturating_mul(2)
         .saturating_mul(world.saturating_add(1))
+        // The control block and the flags: a page each, under 1 MiB for
+        // every page size arm64 kernels use (4, 16, 64 KiB).
         .saturating_add(1 << 20)
 }
 
@@ -85,6 +97,25 @@ pub(super) fn memlock_limit() -> Result<(u64, u64), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memlock_estimate_rounds_slots_to_the_page() {
+        // 8 KiB slots, 2 ranks: 6 slots of 8 KiB on a 4 KiB kernel, of
+        // 64 KiB on a 64 KiB kernel (the layout rounds each slot up).
+        assert_eq!(memlock_needed_with(8192, 2, 4096), 6 * 8192 + (1 << 20));
+        assert_eq!(memlock_needed_with(8192, 2, 16384), 6 * 16384 + (1 << 20));
+        assert_eq!(memlock_needed_with(8192, 2, 65536), 6 * 65536 + (1 << 20));
+        // The estimate covers the real region at every page size.
+        for page in [4096, 16384, 65536] {
+            for (slot, world) in [(1, 2), (8192, 3), (1 << 20, 8), (65537, 16)] {
+                let l = crate::layout::Layout::with_page(world, 0, slot, page).unwrap();
+                assert!(
+                    memlock_needed_with(slot, world, page) >= l.region_bytes(),
+                    "slot {slot}, {world} ranks, page {page}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn memlock_message_says_how_to_raise_it() {

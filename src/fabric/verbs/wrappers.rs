@@ -235,6 +235,7 @@ destroy_on_drop!(Mr, ibv_dereg_mr, |m| format!(
 
 impl Mr {
     fn register(pd: &Arc<Pd>, region: &Arc<Region>) -> Result<Self> {
+        region.check_pages("ibv_reg_mr")?;
         // Relaxed ordering is deliberately absent: it would let the NIC
         // commit the flag's PCIe write before the data's.
         let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0

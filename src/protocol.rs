@@ -1,0 +1,401 @@
+//! The protocol's ordering-bearing steps on the host (`kernels/arx_abi.h`
+//! states the protocol; `kernels/oneshot.cuh` is the GPU's twin of the
+//! device side):
+//!
+//! 1. the device side stages its partial in `send[p]` and publishes the call
+//!    ([`stage_and_publish`], [`publish`]);
+//! 2. the proxy sees it ([`published`], [`announced`]) and sends each lane's
+//!    part, then that lane's flag, to every peer ([`post_shm`]; the Verbs
+//!    fabric does the same with RDMA writes on one RC QP);
+//! 3. the reader takes a peer's flag ([`look`]) and only then its partial
+//!    ([`Memory::read_partial`]);
+//! 4. the proxy tells the device side which calls' send slots it no longer
+//!    reads ([`release_sent`], [`sent_through`]), which copy-engine staging
+//!    waits for before overwriting both slots;
+//! 5. failures: the abort word ([`raise_abort`], [`aborted`]), the recorded
+//!    status ([`record`], [`recorded`]), and the refused or poisoned flag
+//!    words (dtype `INVALID`, [`flag_word`]) that make peers fail at once.
+//!
+//! Each atomic access says why its ordering is needed, or why `Relaxed`
+//! suffices.
+//!
+//! # Compiled twice
+//!
+//! This file is compiled into the library, over [`crate::layout::Region`]
+//! (std's atomics, raw memory), and into the loom model in `loom/` (by
+//! `#[path]`), over an in-memory region of loom's atomics and loom's
+//! `UnsafeCell`s for the payload, where every interleaving and every
+//! outcome of the Rust (C++11) memory model is explored — the outcomes that
+//! an aarch64 CPU can produce and an x86 one hides. So it uses nothing of the
+//! crate but `crate::sync::atomic` (std's here, loom's there) and the ABI
+//! constants of `crate::abi`, and it touches memory only through the
+//! [`Control`] and [`Memory`] traits.
+
+use std::ops::Range;
+
+use crate::abi;
+use crate::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Lanes per peer (one flag each).
+pub(crate) const LANES: usize = abi::ARX_LANES as usize;
+
+/// A control-block word of 64 bits (`arx_ctrl_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Word {
+    /// `seq`: the last call published.
+    Seq,
+    /// `meta[p]`: the flag word of the call of parity `p`.
+    Meta(usize),
+    /// `bytes[p]`: the byte count of the call of parity `p`.
+    Bytes(usize),
+    /// `sent`: the last call whose send slots the proxy no longer reads.
+    Sent,
+    /// `err_seq`: the call of the recorded failure.
+    ErrSeq,
+    /// `err_flag`: the flag word that failed it (or 0).
+    ErrFlag,
+}
+
+/// A control-block word of 32 bits (`arx_ctrl_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Word32 {
+    /// `abort`: nonzero stops the device side's waits.
+    Abort,
+    /// `status`: the first failure's `ARX_STATUS_*` (`u32::MAX` while being
+    /// recorded).
+    Status,
+    /// `err_peer`: the peer of the recorded failure.
+    ErrPeer,
+    /// `err_lane`: its lane (`u32::MAX`: this rank's own sends).
+    ErrLane,
+}
+
+/// A rank's control block.
+pub(crate) trait Control {
+    /// The 64-bit word `w`.
+    fn word(&self, w: Word) -> &AtomicU64;
+    /// The 32-bit word `w`.
+    fn word32(&self, w: Word32) -> &AtomicU32;
+}
+
+/// A rank's region as the protocol touches it: the control block, the flags
+/// peers write, and the data slots.
+pub(crate) trait Memory: Control {
+    /// `flags[parity][src][lane]`: the flag `src` writes here.
+    fn flag(&self, parity: usize, src: usize, lane: usize) -> &AtomicU64;
+
+    /// Copies `src` into this rank's `send[parity]`, from byte 0.
+    ///
+    /// # Safety
+    /// The slot is the caller's: nothing reads or writes it during the copy
+    /// (for call `seq` of this parity: every peer has consumed call
+    /// `seq - 2`, rule 5 of the protocol; with copy-engine staging also
+    /// `sent_through() >= seq - 1`). `src` fits the slot.
+    unsafe fn write_send(&self, parity: usize, src: &[u8]);
+
+    /// Copies bytes `at..at + dst.len()` of rank `src`'s partial of
+    /// `parity` out of the region: `send[parity]` when `src` is this rank,
+    /// `recv[parity][src]` otherwise.
+    ///
+    /// # Safety
+    /// Nothing writes those bytes during the copy: for a peer's partial, its
+    /// flags for this call were seen by [`look`] (which acquired them) and
+    /// the call has not returned.
+    unsafe fn read_partial(&self, parity: usize, src: usize, at: usize, dst: &mut [u8]);
+
+    /// Copies `range` of this rank's `send[parity]` into `peer`'s
+    /// `recv[parity][from]` at the same offsets (`from` is this rank).
+    ///
+    /// # Safety
+    /// The source was published (and is not written until the device side
+    /// learns it was sent), and the destination is not read by the peer
+    /// before the flag that follows it.
+    unsafe fn copy_send(&self, parity: usize, range: Range<usize>, peer: &Self, from: usize);
+}
+
+impl<M: Control + ?Sized> Control for &M {
+    fn word(&self, w: Word) -> &AtomicU64 {
+        (**self).word(w)
+    }
+    fn word32(&self, w: Word32) -> &AtomicU32 {
+        (**self).word32(w)
+    }
+}
+
+impl<M: Memory + ?Sized> Memory for &M {
+    fn flag(&self, parity: usize, src: usize, lane: usize) -> &AtomicU64 {
+        (**self).flag(parity, src, lane)
+    }
+    unsafe fn write_send(&self, parity: usize, src: &[u8]) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { (**self).write_send(parity, src) }
+    }
+    unsafe fn read_partial(&self, parity: usize, src: usize, at: usize, dst: &mut [u8]) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { (**self).read_partial(parity, src, at, dst) }
+    }
+    unsafe fn copy_send(&self, parity: usize, range: Range<usize>, peer: &Self, from: usize) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { (**self).copy_send(parity, range, *peer, from) }
+    }
+}
+
+/// The parity (slot set) of call `seq`.
+pub(crate) fn parity(seq: u64) -> usize {
+    (seq & 1) as usize
+}
+
+/// Packs the flag word for call `seq` of `count` elements of `dtype`.
+pub fn flag_word(seq: u64, dtype: u32, count: usize) -> u64 {
+    ((seq & 0xffff_ffff) << abi::ARX_FLAG_SEQ_SHIFT)
+        | (u64::from(dtype & abi::ARX_FLAG_DTYPE_MASK) << abi::ARX_FLAG_DTYPE_SHIFT)
+        | (count as u64 & u64::from(abi::ARX_FLAG_COUNT_MASK))
+}
+
+/// The seq bits of a flag word.
+pub fn flag_seq(flag: u64) -> u32 {
+    (flag >> abi::ARX_FLAG_SEQ_SHIFT) as u32
+}
+
+/// The (dtype, count) bits of a flag word.
+pub fn flag_call(flag: u64) -> (u32, usize) {
+    (
+        ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
+        (flag & u64::from(abi::ARX_FLAG_COUNT_MASK)) as usize,
+    )
+}
+
+/// The bytes of a `bytes`-long partial that travel on `lane`: the first half
+/// (rounded up to `ARX_LANE_ALIGN`) on lane 0, the rest on lane 1. A lane
+/// may carry nothing for tiny partials; its flag is sent all the same.
+pub(crate) fn lane_range(bytes: usize, lane: usize) -> Range<usize> {
+    let a = abi::ARX_LANE_ALIGN as usize;
+    let half = bytes.div_ceil(2).div_ceil(a).saturating_mul(a).min(bytes);
+    match lane {
+        0 => 0..half,
+        _ => half..bytes,
+    }
+}
+
+/// Step 1 without data: announces call `seq` with its flag word and byte
+/// count (a refused call: dtype `INVALID`, 0 bytes). The partial, if any, is
+/// already in `send[seq & 1]`.
+pub(crate) fn publish<C: Control + ?Sized>(c: &C, seq: u64, flag: u64, bytes: usize) {
+    let p = parity(seq);
+    // Relaxed: the proxy reads these two only after an Acquire load of `seq`
+    // that saw this call (or a later one), which the Release store below
+    // orders after them; they are not written again before call seq + 2 is
+    // published, which needs this call posted (rule 5).
+    c.word(Word::Meta(p)).store(flag, Ordering::Relaxed);
+    c.word(Word::Bytes(p))
+        .store(bytes as u64, Ordering::Relaxed);
+    // Release: the proxy that acquires `seq` copies the partial staged in
+    // send[p] and sends meta[p]; both were written before this store.
+    c.word(Word::Seq).store(seq, Ordering::Release);
+}
+
+/// Step 1: copies this rank's partial of call `seq` into `send[seq & 1]`
+/// and publishes the call.
+///
+/// # Safety
+/// As [`Memory::write_send`]: the slot is the caller's.
+pub(crate) unsafe fn stage_and_publish<M: Memory + ?Sized>(m: &M, seq: u64, flag: u64, src: &[u8]) {
+    // SAFETY: the caller's contract.
+    unsafe { m.write_send(parity(seq), src) };
+    publish(m, seq, flag, src.len());
+}
+
+/// Step 2 (the proxy): the last call published.
+pub(crate) fn published<C: Control + ?Sized>(c: &C) -> u64 {
+    // Acquire: pairs with publish's Release store; every call up to the one
+    // seen here has its partial, flag word and byte count visible to this
+    // thread, which copies and sends them next.
+    c.word(Word::Seq).load(Ordering::Acquire)
+}
+
+/// Step 2 (the proxy): the flag word and byte count call `seq` announced,
+/// for a `seq` that [`published`] has returned (or passed).
+pub(crate) fn announced<C: Control + ?Sized>(c: &C, seq: u64) -> (u64, u64) {
+    let p = parity(seq);
+    // Relaxed: ordered after this thread's Acquire load of `seq` in
+    // `published` (see `publish`).
+    (
+        c.word(Word::Meta(p)).load(Ordering::Relaxed),
+        c.word(Word::Bytes(p)).load(Ordering::Relaxed),
+    )
+}
+
+/// Step 2 on shared memory (the Shm fabric): sends call `seq` — `bytes`
+/// bytes of this rank's `send[seq & 1]` and the flag word `flag` — to every
+/// peer in `peers`, in the order given (`r+1, r+2, …`), lane by lane: the
+/// lane's part into the peer's `recv[p][me]`, then the lane's flag.
+///
+/// # Safety
+/// Call `seq` was published and is the next call in order (every earlier
+/// call was posted): the sender's slot holds it, and each peer reads its
+/// `recv[p][me]` only after the flag (see [`Memory::copy_send`]).
+pub(crate) unsafe fn post_shm<M: Memory>(
+    mine: &M,
+    me: usize,
+    peers: impl IntoIterator<Item = M>,
+    seq: u64,
+    bytes: usize,
+    flag: u64,
+) {
+    let p = parity(seq);
+    for peer in peers {
+        for lane in 0..LANES {
+            let r = lane_range(bytes, lane);
+            // SAFETY: the caller's contract.
+            unsafe { mine.copy_send(p, r, &peer, me) };
+            // Release: the peer acquires this flag and then reads the bytes
+            // copied just above; without it the flag could become visible
+            // before the data, and the peer would sum call seq - 2's bytes.
+            peer.flag(p, me, lane).store(flag, Ordering::Release);
+        }
+    }
+}
+
+/// What a reader found in one flag (see [`look`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Look {
+    /// The peer's flag for this call is not there yet (its word now).
+    Missing(u64),
+    /// It is there and agrees: the lane's data may be read.
+    Arrived,
+    /// A word for this call that is not this rank's flag word: another
+    /// count or dtype, a refused call (dtype `INVALID`), or a poisoned flag
+    /// (the peer's fabric failed) — also one for call `seq + 2`, which only
+    /// a poisoned flag can be. The call must fail naming the peer.
+    Mismatch(u64),
+}
+
+/// Step 3: the flag rank `src` wrote for `lane` of call `seq`, judged
+/// against this rank's own flag word `flag` for the call.
+pub(crate) fn look<M: Memory + ?Sized>(
+    m: &M,
+    seq: u64,
+    flag: u64,
+    src: usize,
+    lane: usize,
+) -> Look {
+    // Acquire: pairs with the sender's Release store of the flag (post_shm;
+    // over RDMA the NIC writes the flag after the data on one RC QP, and this
+    // load keeps the reads of the slot after it): the lane's data, read next,
+    // is this call's.
+    let f = m.flag(parity(seq), src, lane).load(Ordering::Acquire);
+    let s = flag_seq(f);
+    if s == seq as u32 {
+        if f == flag {
+            Look::Arrived
+        } else {
+            Look::Mismatch(f)
+        }
+    } else if s == (seq as u32).wrapping_add(2) {
+        // Two calls ahead, on this call's parity: no healthy peer gets there
+        // (it would need this rank's flag of call seq + 1, sent after this
+        // call ends), but a peer whose fabric failed in call seq + 1 poisons
+        // seq + 1 and seq + 2, and the poison for seq + 2 overwrites its flag
+        // of this call if this rank had not read it yet. Waiting for the
+        // flag of this call would then last until the timeout.
+        Look::Mismatch(f)
+    } else {
+        Look::Missing(f)
+    }
+}
+
+/// Step 4 (the proxy): every call up to `sent` no longer needs its send
+/// slot (its writes completed locally, or the proxy failed and will read
+/// nothing more).
+pub(crate) fn release_sent<C: Control + ?Sized>(c: &C, sent: u64) {
+    // Release: the device side that acquires `sent` overwrites the send
+    // slots of these calls next (copy-engine staging writes both); the
+    // proxy's reads of them (the Shm copies; for Verbs, the reaping of the
+    // completions that say the NIC's reads are done) come before this store
+    // and must stay before it.
+    c.word(Word::Sent).store(sent, Ordering::Release);
+}
+
+/// Step 4 (the device side): the last call whose send slots the proxy no
+/// longer reads.
+pub(crate) fn sent_through<C: Control + ?Sized>(c: &C) -> u64 {
+    // Acquire: pairs with release_sent's Release store; the caller
+    // overwrites the send slots once this says so.
+    c.word(Word::Sent).load(Ordering::Acquire)
+}
+
+/// Raises the abort word: the device side stops waiting and fails the call.
+pub(crate) fn raise_abort<C: Control + ?Sized>(c: &C) {
+    // Release: whoever sees the word then asks for the error that explains
+    // it (the proxy's record, written before this store); without it the
+    // device side could see the abort and not yet the error.
+    c.word32(Word32::Abort).store(1, Ordering::Release);
+}
+
+/// True once the abort word is raised.
+pub(crate) fn aborted<C: Control + ?Sized>(c: &C) -> bool {
+    // Acquire: pairs with raise_abort (see there).
+    c.word32(Word32::Abort).load(Ordering::Acquire) != 0
+}
+
+/// A failure as recorded in the control block (see [`record`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Recorded {
+    /// `ARX_STATUS_*`.
+    pub code: u32,
+    /// The peer whose flag was missing or wrong (this rank: its own sends).
+    pub peer: u32,
+    /// Its lane (`u32::MAX`: no lane).
+    pub lane: u32,
+    /// The call.
+    pub seq: u64,
+    /// The flag word seen (or 0).
+    pub flag: u64,
+}
+
+/// Records a failure unless one was recorded before (the first one stays),
+/// the way the kernel's `arx_fail` does.
+pub(crate) fn record<C: Control + ?Sized>(
+    c: &C,
+    code: u32,
+    peer: u32,
+    lane: u32,
+    seq: u64,
+    flag: u64,
+) {
+    // Relaxed: the compare-exchange is atomic whatever its ordering, so one
+    // recorder alone wins the claim and writes the details; nothing is read
+    // after it. The details are published by the Release store of the code.
+    if c.word32(Word32::Status)
+        .compare_exchange(0, u32::MAX, Ordering::Relaxed, Ordering::Relaxed)
+        .is_err()
+    {
+        return;
+    }
+    // Relaxed: published by the Release store below.
+    c.word32(Word32::ErrPeer).store(peer, Ordering::Relaxed);
+    c.word32(Word32::ErrLane).store(lane, Ordering::Relaxed);
+    c.word(Word::ErrSeq).store(seq, Ordering::Relaxed);
+    c.word(Word::ErrFlag).store(flag, Ordering::Relaxed);
+    // Release: a reader that sees the code sees the details above.
+    c.word32(Word32::Status).store(code, Ordering::Release);
+}
+
+/// The failure recorded in the control block, if one is complete.
+pub(crate) fn recorded<C: Control + ?Sized>(c: &C) -> Option<Recorded> {
+    // Acquire: pairs with record's Release store of the code, so the
+    // details read below are that failure's.
+    let code = c.word32(Word32::Status).load(Ordering::Acquire);
+    if code == abi::ARX_STATUS_OK || code == u32::MAX {
+        // u32::MAX: being recorded; the code follows.
+        return None;
+    }
+    // Relaxed: ordered after the Acquire load above.
+    Some(Recorded {
+        code,
+        peer: c.word32(Word32::ErrPeer).load(Ordering::Relaxed),
+        lane: c.word32(Word32::ErrLane).load(Ordering::Relaxed),
+        seq: c.word(Word::ErrSeq).load(Ordering::Relaxed),
+        flag: c.word(Word::ErrFlag).load(Ordering::Relaxed),
+    })
+}
