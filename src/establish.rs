@@ -146,7 +146,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         }
     };
     // The one copy of the call timeout: the host side and the proxy read it
-    // here, the GPU side copies it into its device state.
+    // here, the GPU side copies it into its device state. Relaxed: written
+    // before the proxy thread is spawned (which orders it for that thread)
+    // and read by this thread otherwise.
     region
         .ctrl()
         .timeout_ns()

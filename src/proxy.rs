@@ -106,6 +106,7 @@ impl Shared {
             g.posted,
             protocol::published(region),
             g.fabric.completed_through(g.posted),
+            // (`failed`: see the loop above.)
             self.failed.load(Ordering::Acquire) && g.fabric.quiescent(),
         );
         if sent > g.sent {
@@ -333,6 +334,7 @@ fn run(s: &Shared, layout: Layout, cfg: &Config) {
     let mut stop_at: Option<Instant> = None;
     loop {
         let busy = s.pump(false);
+        // (`stop`, `failed`: see `Proxy::stop` and `Shared::record`.)
         if s.stop.load(Ordering::Acquire) {
             // Drain: post everything published and wait for local
             // completions so peers get their last flags, within the timeout.

@@ -281,6 +281,7 @@ impl GpuSide {
         let staging = cfg.staging;
         // The one copy of the call timeout is the control block's (written
         // at start-up); the kernel keeps it in device state for speed.
+        // Relaxed: written by this thread, before.
         let timeout_ns = region.ctrl().timeout_ns().load(Ordering::Relaxed);
         ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
         // (`GpuPlatform::decide` refused a device that cannot map host
