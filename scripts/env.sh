@@ -30,3 +30,23 @@ if ! { command -v ldconfig >/dev/null && ldconfig -p 2>/dev/null | grep 'libnvrt
     done
 fi
 unset arx_cuda_platforms arx_p arx_d
+# rdma-sys's bindgen needs libclang 15 or older (scripts/setup says why).
+# Where a newer one is installed too (Ubuntu 24.04's default is 18), bindgen
+# would take the newest: point it at the newest of 15 and older.
+if [ -z "${LIBCLANG_PATH:-}" ]; then
+    arx_newer=0
+    for arx_d in /usr/lib/llvm-*/lib; do
+        arx_v=${arx_d#/usr/lib/llvm-}
+        arx_v=${arx_v%/lib}
+        case $arx_v in '' | *[!0-9]*) ;; *) [ "$arx_v" -lt 16 ] || arx_newer=1 ;; esac
+    done
+    if [ "$arx_newer" = 1 ]; then
+        for arx_v in 15 14 13 12 11 10; do
+            if ls /usr/lib/llvm-$arx_v/lib/libclang*.so* >/dev/null 2>&1; then
+                export LIBCLANG_PATH=/usr/lib/llvm-$arx_v/lib
+                break
+            fi
+        done
+    fi
+    unset arx_newer arx_d arx_v
+fi
