@@ -39,7 +39,12 @@ fn describe_found(devs: &[DeviceInfo]) -> String {
         .join("; ")
 }
 
-fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Result<LaneDevice> {
+fn lane(
+    d: &DeviceInfo,
+    disc: &Discovery,
+    cfg: &Config,
+    notes: &mut Vec<String>,
+) -> Result<LaneDevice> {
     let Some(port) = d.active_port() else {
         return Err(Error::Topology(format!(
             "{} has no ACTIVE port ({}); cable it or bring the link up (ip link set <netdev> up)",
@@ -61,6 +66,20 @@ fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Result<LaneDev
             1024
         }
     };
+    let ipv4 = g
+        .is_ipv4_mapped()
+        .then(|| std::net::Ipv4Addr::new(g.gid[12], g.gid[13], g.gid[14], g.gid[15]));
+    // The prefix of that address on its netdev (else on any netdev: a
+    // bond or bridge above it holds the address).
+    let prefix = ipv4.and_then(|a| {
+        let on = |nd: Option<&str>| {
+            disc.addrs
+                .iter()
+                .find(|x| x.addr == a && nd.is_none_or(|nd| x.netdev == nd))
+                .map(|x| x.prefix)
+        };
+        on(Some(&netdev)).or_else(|| on(None))
+    });
     Ok(LaneDevice {
         name: d.name.clone(),
         port: port.port,
@@ -70,7 +89,40 @@ fn lane(d: &DeviceInfo, cfg: &Config, notes: &mut Vec<String>) -> Result<LaneDev
         netdev,
         pci: d.pci.clone(),
         root: d.root.clone(),
+        function: d.function(),
+        ipv4,
+        prefix,
     })
+}
+
+/// Every device that could carry a lane (see [`Selection::candidates`]):
+/// with `ARX_DEVICES`, the chosen lanes' devices; otherwise each device,
+/// virtual functions aside, whose port is ACTIVE with a RoCE v2 IPv4 GID, in
+/// discovery order.
+///
+/// [`Selection::candidates`]: super::Selection::candidates
+pub(crate) fn candidates(disc: &Discovery, lanes: &[LaneDevice], cfg: &Config) -> Vec<LaneDevice> {
+    let mut out: Vec<LaneDevice> = Vec::new();
+    if cfg.devices.is_some() {
+        for l in lanes {
+            if !out.iter().any(|c| c.name == l.name) {
+                out.push(l.clone());
+            }
+        }
+        return out;
+    }
+    for d in disc.devices.iter().filter(|d| !d.virtual_function) {
+        if let Some(l) = lanes.iter().find(|l| l.name == d.name) {
+            out.push(l.clone());
+        } else if d.active_port().is_some() {
+            if let Ok(l) = lane(d, disc, cfg, &mut Vec::new()) {
+                if l.ipv4.is_some() {
+                    out.push(l);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Chooses the lane devices among `devs` (without overrides), counting a
@@ -228,6 +280,7 @@ pub(super) fn lane_devices<'a>(
 /// Each chosen device's lane (a device chosen twice gives one lane twice).
 pub(super) fn lanes_on(
     chosen: &[&DeviceInfo],
+    disc: &Discovery,
     cfg: &Config,
     notes: &mut Vec<String>,
 ) -> Result<Vec<LaneDevice>> {
@@ -237,7 +290,7 @@ pub(super) fn lanes_on(
             lanes.push(l.clone());
             continue;
         }
-        lanes.push(lane(d, cfg, notes)?);
+        lanes.push(lane(d, disc, cfg, notes)?);
     }
     if lanes[0].active_mtu != lanes[1].active_mtu {
         notes.push(format!(

@@ -51,8 +51,10 @@ mod cpu;
 mod gid;
 mod hwloc;
 mod ibv;
+mod ifaddr;
 mod memlock;
 mod report;
+pub mod route;
 mod sysfs;
 #[cfg(test)]
 mod test_util;
@@ -65,11 +67,12 @@ use crate::error::Result;
 pub use cpu::pin_current_thread;
 pub use gid::format_gid;
 pub use ibv::ibv_devices;
+pub use ifaddr::{network, IfAddr};
 pub use memlock::{check_memlock, memlock_limits, memlock_needed};
 pub use report::{report, report_in};
 pub use sysfs::discover_in;
 
-use choose::{lane_devices, lanes_on, pcie_notes};
+use choose::{candidates, lane_devices, lanes_on, pcie_notes};
 use cpu::choose_proxy_cpu;
 use sysfs::{parse_bdf, parse_gts};
 
@@ -94,13 +97,43 @@ pub struct LaneDevice {
     /// (`0000:00:00.0`; the device's own address when it sits on a root bus),
     /// or the device name for software devices.
     pub root: String,
+    /// PCI function: the physical port on a Spark's ConnectX-7 (0 for
+    /// software devices).
+    pub function: u32,
+    /// The IPv4 address of the GID (IPv4-mapped RoCE v2), if any.
+    pub ipv4: Option<std::net::Ipv4Addr>,
+    /// The prefix length of that address on the netdev, when the netdev
+    /// shows it (see `ifaddr.rs`): per-peer routes match subnets with it.
+    pub prefix: Option<u8>,
+}
+
+impl LaneDevice {
+    /// What other ranks learn of this device for route planning.
+    pub fn port_addr(&self) -> route::PortAddr {
+        route::PortAddr {
+            name: self.name.clone(),
+            root: self.root.clone(),
+            function: self.function,
+            ipv4: self.ipv4,
+            prefix: self.prefix,
+        }
+    }
 }
 
 /// What topology chose for this rank.
 #[derive(Debug, Clone)]
 pub struct Selection {
-    /// Lane 0 and lane 1 devices (the same device twice for a one-root NIC).
+    /// Lane 0 and lane 1 devices (the same device twice for a one-root NIC):
+    /// the primary lanes, the port topology chooses alone. Peers are reached
+    /// through the devices of [`Selection::candidates`] that
+    /// [`route::plan`] picks; the primary lanes are its fallback.
     pub lanes: Vec<LaneDevice>,
+    /// Every device that could carry a lane: ACTIVE, with a RoCE v2 IPv4 GID,
+    /// in discovery order (PCIe root, function). With `ARX_DEVICES`, the
+    /// named devices only.
+    pub candidates: Vec<LaneDevice>,
+    /// `ARX_DEVICES` chose the devices (every peer on the primary lanes).
+    pub fixed: bool,
     /// CPU the proxy thread is pinned to, if any.
     pub proxy_cpu: Option<usize>,
     /// Why each choice was made, for logs and `doctor`. Warnings start with
@@ -121,6 +154,25 @@ impl Selection {
     /// `ARX_DEVICES` name).
     pub fn single_device(&self) -> bool {
         self.lanes.len() < 2 || self.lanes[0].name == self.lanes[1].name
+    }
+
+    /// This rank's record for route planning: the candidates, and the
+    /// primary lanes among them.
+    pub fn ports(&self) -> route::RankPorts {
+        let at = |l: &LaneDevice| {
+            self.candidates
+                .iter()
+                .position(|c| c.name == l.name)
+                .unwrap_or(0)
+        };
+        route::RankPorts {
+            fixed: self.fixed,
+            devices: self.candidates.iter().map(LaneDevice::port_addr).collect(),
+            primary: [
+                self.lanes.first().map_or(0, at),
+                self.lanes.get(1).or(self.lanes.first()).map_or(0, at),
+            ],
+        }
     }
 }
 
@@ -383,6 +435,8 @@ pub struct Discovery {
     pub cpus: CpuInfo,
     /// Discovery notes (hwloc fallback, sysfs/hwloc disagreements).
     pub notes: Vec<String>,
+    /// IPv4 addresses of the netdevs (`getifaddrs`, or a fixture's `ifaddrs`).
+    pub addrs: Vec<IfAddr>,
 }
 
 /// Chooses lanes and the proxy core from a [`Discovery`], for local rank
@@ -395,7 +449,8 @@ pub fn select_from(
 ) -> Result<Selection> {
     let mut notes = disc.notes.clone();
     let chosen = lane_devices(disc, cfg, &mut notes)?;
-    let lanes = lanes_on(&chosen, cfg, &mut notes)?;
+    let lanes = lanes_on(&chosen, disc, cfg, &mut notes)?;
+    let candidates = candidates(disc, &lanes, cfg);
     pcie_notes(&chosen, &mut notes);
     let proxy_cpu = choose_proxy_cpu(disc, &chosen, cfg, me, local, &mut notes);
     for n in notes.iter().filter(|n| n.starts_with(WARN)) {
@@ -403,6 +458,8 @@ pub fn select_from(
     }
     Ok(Selection {
         lanes,
+        candidates,
+        fixed: cfg.devices.is_some(),
         proxy_cpu,
         notes,
     })

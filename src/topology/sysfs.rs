@@ -410,6 +410,7 @@ pub fn discover_in(sysfs_root: &Path, hwloc: HwlocSource<'_>) -> Result<Discover
         devices,
         cpus,
         notes,
+        addrs: super::ifaddr::read(sysfs_root),
     })
 }
 
