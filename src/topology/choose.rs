@@ -75,7 +75,7 @@ fn lane(
         let on = |nd: Option<&str>| {
             disc.addrs
                 .iter()
-                .find(|x| x.addr == a && nd.is_none_or(|nd| x.netdev == nd))
+                .find(|x| x.addr == a && nd.map_or(true, |nd| x.netdev == nd))
                 .map(|x| x.prefix)
         };
         on(Some(&netdev)).or_else(|| on(None))

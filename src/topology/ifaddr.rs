@@ -117,7 +117,10 @@ mod tests {
             network(Ipv4Addr::new(10, 1, 2, 3), 31),
             Ipv4Addr::new(10, 1, 2, 2)
         );
-        assert_eq!(network(Ipv4Addr::new(10, 1, 2, 3), 0), Ipv4Addr::UNSPECIFIED);
+        assert_eq!(
+            network(Ipv4Addr::new(10, 1, 2, 3), 0),
+            Ipv4Addr::UNSPECIFIED
+        );
     }
 
     #[test]

@@ -196,6 +196,9 @@ pub struct Plan {
     pub notes: Vec<String>,
 }
 
+/// Rails between two ranks, lower rank first: `[(device of a, device of b); 2]`.
+type Rails = Vec<[(usize, usize); 2]>;
+
 /// The canonical links between ranks `a < b`: `(device of a, device of b)`.
 fn links(a: &RankPorts, b: &RankPorts) -> Vec<(usize, usize)> {
     let mut v = Vec::new();
@@ -210,7 +213,7 @@ fn links(a: &RankPorts, b: &RankPorts) -> Vec<(usize, usize)> {
 }
 
 /// Groups the canonical links of `a < b` into rails (see the module docs).
-fn rails(a: &RankPorts, b: &RankPorts, links: &[(usize, usize)]) -> Vec<[(usize, usize); 2]> {
+fn rails(a: &RankPorts, b: &RankPorts, links: &[(usize, usize)]) -> Rails {
     let (mut used_a, mut used_b) = (Vec::new(), Vec::new());
     let mut out = Vec::new();
     while out.len() < MAX_RAILS {
@@ -252,7 +255,7 @@ pub fn plan(all: &[RankPorts], me: usize) -> Result<Plan> {
     let mut notes = Vec::new();
     let fixed = all.iter().position(|r| r.fixed);
     // Direct links of every pair (lower rank first).
-    let mut direct: Vec<Vec<Option<Vec<[(usize, usize); 2]>>>> = vec![vec![None; n]; n];
+    let mut direct: Vec<Vec<Option<Rails>>> = vec![vec![None; n]; n];
     if fixed.is_none() {
         for a in 0..n {
             for b in a + 1..n {
@@ -424,7 +427,10 @@ mod tests {
         let r = spark([[Some([10, 0, 0]), Some([10, 0, 2])], [None, None]], 1);
         assert_eq!(RankPorts::decode(3, &r.encode()).unwrap(), r);
         let e = RankPorts::decode(3, &r.encode()[..20]).unwrap_err();
-        assert!(e.to_string().contains("peer 3") || e.to_string().contains("rank 3"), "{e}");
+        assert!(
+            e.to_string().contains("peer 3") || e.to_string().contains("rank 3"),
+            "{e}"
+        );
         assert!(RankPorts::decode(1, b"nonsense").is_err());
     }
 
@@ -436,7 +442,11 @@ mod tests {
             let p = plan(&all, me).unwrap();
             assert_eq!(names(&all, me, 1 - me, &p), [["r0f0-r0f0", "r1f0-r1f0"]]);
             assert!(p.forwards.is_empty());
-            assert!(!p.notes.iter().any(|n| n.starts_with("warning")), "{:?}", p.notes);
+            assert!(
+                !p.notes.iter().any(|n| n.starts_with("warning")),
+                "{:?}",
+                p.notes
+            );
         }
     }
 
@@ -536,7 +546,10 @@ mod tests {
         let all = [spark(net, 1), spark(net, 2)];
         let p = plan(&all, 0).unwrap();
         assert_eq!(names(&all, 0, 1, &p), [["r0f0-r0f0", "r0f0-r0f0"]]);
-        assert!(p.notes.iter().any(|n| n.contains("one device carries both lanes")));
+        assert!(p
+            .notes
+            .iter()
+            .any(|n| n.contains("one device carries both lanes")));
     }
 
     #[test]
@@ -548,7 +561,11 @@ mod tests {
         ];
         let p = plan(&all, 1).unwrap();
         assert_eq!(names(&all, 1, 0, &p), [["r0f0-r0f0", "r1f0-r1f0"]]);
-        assert!(p.notes.iter().any(|n| n.contains("routed fabric")), "{:?}", p.notes);
+        assert!(
+            p.notes.iter().any(|n| n.contains("routed fabric")),
+            "{:?}",
+            p.notes
+        );
     }
 
     #[test]
@@ -563,6 +580,111 @@ mod tests {
         all[2].fixed = true;
         let p = plan(&all, 0).unwrap();
         assert!(p.forwards.is_empty());
-        assert!(matches!(p.routes[2], Some(Route::Direct { how, .. }) if how.contains("ARX_DEVICES")));
+        assert!(
+            matches!(p.routes[2], Some(Route::Direct { how, .. }) if how.contains("ARX_DEVICES"))
+        );
+    }
+
+    /// Every node's selection from its own sysfs fixture, then the plan of
+    /// every rank: the cluster shapes of FACTS.md, end to end.
+    fn cluster(prefix: &str, nodes: usize) -> (Vec<crate::topology::Selection>, Vec<Plan>) {
+        let sels: Vec<_> = (0..nodes)
+            .map(|i| crate::topology::test_util::sel(&format!("{prefix}_n{i}"), &[]).unwrap())
+            .collect();
+        let recs: Vec<RankPorts> = sels.iter().map(|s| s.ports()).collect();
+        for (s, r) in sels.iter().zip(&recs) {
+            assert!(
+                r.devices.iter().all(|d| d.prefix == Some(24)),
+                "{:#?}",
+                s.candidates
+            );
+        }
+        let plans = (0..nodes).map(|me| plan(&recs, me).unwrap()).collect();
+        (sels, plans)
+    }
+
+    fn hop_names(
+        sels: &[crate::topology::Selection],
+        me: usize,
+        q: usize,
+        p: &Plan,
+    ) -> Vec<String> {
+        match &p.routes[q] {
+            Some(Route::Direct { rails, .. }) => rails
+                .iter()
+                .flatten()
+                .map(|h| {
+                    format!(
+                        "{}>{}",
+                        sels[me].candidates[h.mine].name, sels[q].candidates[h.theirs].name
+                    )
+                })
+                .collect(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn spark_fixtures_dual_cable_stripes_over_all_four_functions() {
+        let (sels, plans) = cluster("spark_dual", 2);
+        assert_eq!(sels[0].candidates.len(), 4);
+        assert_eq!(
+            hop_names(&sels, 0, 1, &plans[0]),
+            [
+                "rocep1s0f0>rocep1s0f0",
+                "roceP2p1s0f0>roceP2p1s0f0",
+                "rocep1s0f1>rocep1s0f1",
+                "roceP2p1s0f1>roceP2p1s0f1"
+            ]
+        );
+    }
+
+    #[test]
+    fn spark_fixtures_ring3_routes_each_peer_through_its_own_port() {
+        let (sels, plans) = cluster("spark_ring3", 3);
+        for me in 0..3 {
+            let next = (me + 1) % 3;
+            let prev = (me + 2) % 3;
+            assert_eq!(
+                hop_names(&sels, me, next, &plans[me]),
+                ["rocep1s0f0>rocep1s0f1", "roceP2p1s0f0>roceP2p1s0f1"]
+            );
+            assert_eq!(
+                hop_names(&sels, me, prev, &plans[me]),
+                ["rocep1s0f1>rocep1s0f0", "roceP2p1s0f1>roceP2p1s0f0"]
+            );
+            assert!(!plans[me].notes.iter().any(|n| n.starts_with("warning")));
+        }
+    }
+
+    #[test]
+    fn spark_fixtures_ring4_relays_only_the_diagonals() {
+        let (sels, plans) = cluster("spark_ring4", 4);
+        for me in 0..4 {
+            assert_eq!(
+                hop_names(&sels, me, (me + 1) % 4, &plans[me]),
+                ["rocep1s0f0>rocep1s0f1", "roceP2p1s0f0>roceP2p1s0f1"]
+            );
+            assert_eq!(
+                plans[me].routes[(me + 2) % 4],
+                Some(Route::Relay { via: (me + 1) % 4 })
+            );
+            assert_eq!(plans[me].forwards, [((me + 3) % 4, (me + 1) % 4)]);
+        }
+    }
+
+    #[test]
+    fn spark_fixtures_switch_uses_port_0_for_everyone() {
+        let (sels, plans) = cluster("spark_switch", 4);
+        for me in 0..4 {
+            assert_eq!(sels[me].candidates.len(), 2);
+            for q in (0..4).filter(|&q| q != me) {
+                assert_eq!(
+                    hop_names(&sels, me, q, &plans[me]),
+                    ["rocep1s0f0>rocep1s0f0", "roceP2p1s0f0>roceP2p1s0f0"]
+                );
+            }
+            assert!(plans[me].forwards.is_empty());
+        }
     }
 }

@@ -1,15 +1,17 @@
-//! Connecting: open the devices of the lanes the topology chose, create a
-//! QP per (peer, lane), exchange endpoint records over MPI, and move every
+//! Connecting: learn every rank's addressed devices, plan the routes
+//! ([`route::plan`]), open the devices the routes use, create a QP per
+//! (peer, rail, lane), exchange endpoint records over MPI, and move every
 //! QP to RTS. Each step is agreed across ranks: a failure on one rank fails
 //! every rank.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::endpoint::{Endpoint, LaneRecord};
+use super::endpoint::{DeviceRecord, Endpoint, HopRecord};
 use super::ledger::cq_depth;
 use super::post::{Link, RemoteRegion};
 use super::qp::{Init, Qp, RemoteQp};
+use super::relay::Relay;
 use super::wrappers::{Device, DeviceList};
 use super::{mtu_bytes, verbs_err, VerbsFabric, LANES, SQ_DEPTH};
 use crate::bootstrap::Bootstrap;
@@ -17,82 +19,129 @@ use crate::config::{Config, Staging};
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
 use crate::layout::{Layout, Region};
-use crate::topology::{self, LaneDevice, Selection};
+use crate::topology::route::{self, Plan, RankPorts, Route};
+use crate::topology::{self, Selection};
 
-/// What `open_local` made: devices, the device of each lane, QPs (in INIT)
-/// and the index of (peer, lane) into them.
+/// What `open_local` made: the devices the routes use, the candidate index
+/// of each, QPs (in INIT) and, per peer, rail and lane, the QP's index.
 struct Local {
     devices: Vec<Device>,
-    lane_dev: [usize; LANES],
+    /// `cand[i]`: the index in [`Selection::candidates`] of `devices[i]`.
+    cand: Vec<usize>,
     qps: Vec<Qp<Init>>,
-    qp_index: Vec<usize>,
+    /// `rails[q][rail][lane]`: index into `qps` (and later the links).
+    rails: Vec<Vec<[usize; LANES]>>,
 }
 
-fn open_local(layout: &Layout, region: &Arc<Region>, lanes: &[LaneDevice]) -> Result<Local> {
-    if lanes.len() != LANES {
+fn direct(plan: &Plan, q: usize) -> &[[route::Hop; 2]] {
+    match &plan.routes[q] {
+        Some(Route::Direct { rails, .. }) => rails,
+        _ => &[],
+    }
+}
+
+fn open_local(
+    layout: &Layout,
+    region: &Arc<Region>,
+    sel: &Selection,
+    plan: &Plan,
+) -> Result<Local> {
+    let world = layout.world();
+    // The candidates some route uses, in candidate order; QPs per device.
+    let mut cand: Vec<usize> = Vec::new();
+    let mut qps_on: Vec<usize> = Vec::new();
+    for q in layout.peers() {
+        for rail in direct(plan, q) {
+            for hop in rail {
+                let i = match cand.iter().position(|&c| c == hop.mine) {
+                    Some(i) => i,
+                    None => {
+                        cand.push(hop.mine);
+                        qps_on.push(0);
+                        cand.len() - 1
+                    }
+                };
+                qps_on[i] += 1;
+            }
+        }
+    }
+    if cand.iter().any(|&c| c >= sel.candidates.len()) {
         return Err(Error::Topology(format!(
-            "selection has {} lanes, the Verbs fabric needs {LANES}",
-            lanes.len()
+            "route plan names device {:?} of {} candidates",
+            cand,
+            sel.candidates.len()
         )));
     }
-    let world = layout.world();
-    // The distinct devices, in lane order.
-    let mut chosen: Vec<&LaneDevice> = Vec::new();
-    let mut lane_dev = [0usize; LANES];
-    for (l, d) in lanes.iter().enumerate() {
-        lane_dev[l] = match chosen.iter().position(|c| c.name == d.name) {
-            Some(i) => i,
-            None => {
-                chosen.push(d);
-                chosen.len() - 1
-            }
-        };
-    }
-    let qps_per_dev = |i: usize| (world - 1) * lane_dev.iter().filter(|&&d| d == i).count();
+    let nqps: usize = qps_on.iter().sum();
     // Pinned by the provider besides the region: send queues (a WQE with
     // inline data takes up to 256 bytes) and CQs (up to 128 bytes a CQE).
-    let cqes: usize = (0..chosen.len()).map(|i| cq_depth(qps_per_dev(i))).sum();
-    let needed = chosen.len() * region.len()
-        + (world - 1) * LANES * (SQ_DEPTH as usize) * 256
-        + cqes * 128
-        + (1 << 20);
+    let cqes: usize = qps_on.iter().map(|&n| cq_depth(n)).sum();
+    let needed =
+        cand.len() * region.len() + nqps * (SQ_DEPTH as usize) * 256 + cqes * 128 + (1 << 20);
     topology::check_memlock(needed)?;
 
     let list = DeviceList::get()?;
-    let mut devices = Vec::with_capacity(chosen.len());
-    for (i, sel) in chosen.iter().enumerate() {
-        let depth = u32::try_from(cq_depth(qps_per_dev(i))).map_err(|_| {
+    let mut devices = Vec::with_capacity(cand.len());
+    for (i, &c) in cand.iter().enumerate() {
+        let d = &sel.candidates[c];
+        let depth = u32::try_from(cq_depth(qps_on[i])).map_err(|_| {
             verbs_err(
                 "ibv_create_cq",
-                &sel.name,
+                &d.name,
                 None,
                 None,
-                format!("{} QPs need too many CQ entries", qps_per_dev(i)),
+                format!("{} QPs need too many CQ entries", qps_on[i]),
             )
         })?;
-        devices.push(Device::open(&list, sel, region, depth)?);
+        devices.push(Device::open(&list, d, region, depth)?);
     }
     drop(list);
 
-    let mut qps = Vec::with_capacity((world - 1) * LANES);
-    let mut qp_index = vec![usize::MAX; world * LANES];
+    let mut qps = Vec::with_capacity(nqps);
+    let mut rails = vec![Vec::new(); world];
     for q in layout.peers() {
-        for lane in 0..LANES {
-            qp_index[q * LANES + lane] = qps.len();
-            qps.push(Qp::create(&devices[lane_dev[lane]], q, lane)?);
+        for rail in direct(plan, q) {
+            let mut ix = [usize::MAX; LANES];
+            for (lane, hop) in rail.iter().enumerate() {
+                let d = cand.iter().position(|&c| c == hop.mine).unwrap_or(0);
+                ix[lane] = qps.len();
+                qps.push(Qp::create(&devices[d], q, lane)?);
+            }
+            rails[q].push(ix);
         }
     }
     Ok(Local {
         devices,
-        lane_dev,
+        cand,
         qps,
-        qp_index,
+        rails,
     })
 }
 
-/// Opens the devices of `sel`'s lanes, creates the QPs, exchanges their
-/// numbers over `boot` and connects them. Collective: a failure on any rank
-/// fails every rank.
+/// Every rank's device record, and this rank's route plan. Collective.
+fn plan_routes(boot: &Bootstrap, sel: &Selection, me: usize) -> Result<Plan> {
+    let all = boot.all_gather_bytes("verbs routes", &sel.ports().encode())?;
+    let planned = (|| {
+        let recs = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| RankPorts::decode(r, b))
+            .collect::<Result<Vec<_>>>()?;
+        route::plan(&recs, me)
+    })();
+    let plan = boot.agree("verbs routes", planned)?;
+    for n in &plan.notes {
+        match n.strip_prefix("warning: ") {
+            Some(w) => log::warn!("arx verbs: rank {me}: {w}"),
+            None => log::info!("arx verbs: rank {me}: {n}"),
+        }
+    }
+    Ok(plan)
+}
+
+/// Plans the routes, opens the devices they use, creates the QPs, exchanges
+/// their numbers over `boot` and connects them. Collective: a failure on
+/// any rank fails every rank.
 pub(crate) fn connect(
     boot: &Bootstrap,
     cfg: &Config,
@@ -102,43 +151,51 @@ pub(crate) fn connect(
 ) -> Result<VerbsFabric> {
     let world = layout.world();
     let me = layout.rank();
+    let plan = plan_routes(boot, sel, me)?;
     let Local {
         devices,
-        lane_dev,
+        cand,
         qps,
-        qp_index,
-    } = boot.agree("verbs devices", open_local(layout, region, &sel.lanes))?;
+        rails,
+    } = boot.agree("verbs devices", open_local(layout, region, sel, &plan))?;
 
     let mine = Endpoint {
         world: world as u32,
         rank: me as u32,
         addr: region.as_ptr() as u64,
         len: region.len() as u64,
-        lanes: (0..LANES)
-            .map(|lane| {
-                let dev = &devices[lane_dev[lane]];
-                LaneRecord {
-                    gid: dev.gid,
-                    gid_index: dev.sel.gid_index,
-                    rkey: dev.mr.rkey(),
-                    mtu: dev.active_mtu,
-                    qps: (0..world)
-                        .map(|q| {
-                            if q == me {
-                                (0, 0)
-                            } else {
-                                let qp = &qps[qp_index[q * LANES + lane]];
-                                (qp.qpn(), qp.psn())
+        devices: devices
+            .iter()
+            .map(|d| DeviceRecord {
+                gid: d.gid,
+                gid_index: d.sel.gid_index,
+                rkey: d.mr.rkey(),
+                mtu: d.active_mtu,
+            })
+            .collect(),
+        peers: (0..world)
+            .map(|q| {
+                rails[q]
+                    .iter()
+                    .zip(direct(&plan, q))
+                    .map(|(ix, hops)| {
+                        [0, 1].map(|lane| {
+                            let qp = &qps[ix[lane]];
+                            HopRecord {
+                                dev: cand.iter().position(|&c| c == hops[lane].mine).unwrap_or(0)
+                                    as u16,
+                                qpn: qp.qpn(),
+                                psn: qp.psn(),
                             }
                         })
-                        .collect(),
-                }
+                    })
+                    .collect()
             })
             .collect(),
     };
     let all = boot.all_gather_bytes("verbs endpoints", &mine.encode())?;
 
-    let connected = (|| -> Result<(Vec<Link>, Vec<RemoteRegion>, [u32; LANES])> {
+    let connected = (|| -> Result<Vec<Link>> {
         if all.len() != world {
             return Err(Error::Mpi {
                 call: "MPI_Iallgather",
@@ -150,52 +207,82 @@ pub(crate) fn connect(
             .enumerate()
             .map(|(r, b)| Endpoint::decode(r, world, region.len(), b))
             .collect::<Result<Vec<_>>>()?;
-        let mut remote = vec![RemoteRegion { addr: 0, rkey: 0 }; world * LANES];
-        let mut path_mtu = [u32::MAX; LANES];
-        // In creation order: peers r+1, r+2, …, both lanes of each.
-        let links = qps
-            .into_iter()
-            .map(|qp| {
-                let (q, lane) = (qp.peer(), qp.lane());
-                let d = lane_dev[lane];
-                let theirs = &eps[q].lanes[lane];
-                let (qpn, psn) = theirs.qps[me];
-                let mtu = devices[d].active_mtu.min(theirs.mtu);
+        // Rail r lane l to q: this rank's QP at rails[q][r][l], q's at
+        // eps[q].peers[me][r][l]. Both ends planned the same rails.
+        let mut where_: Vec<(usize, usize, usize)> = vec![(0, 0, 0); qps.len()];
+        for q in 0..world {
+            let theirs = eps[q].peers.get(me).map_or(0, Vec::len);
+            if q != me && theirs != rails[q].len() {
+                return Err(Error::PeerFailed {
+                    peer: q,
+                    reason: format!(
+                        "it planned {theirs} rail(s) to rank {me}, this rank {} to it: the \
+                         ranks' route plans differ (different arx builds or settings?)",
+                        rails[q].len()
+                    ),
+                });
+            }
+            for (r, ix) in rails[q].iter().enumerate() {
+                for (l, &i) in ix.iter().enumerate() {
+                    where_[i] = (q, r, l);
+                }
+            }
+        }
+        qps.into_iter()
+            .enumerate()
+            .map(|(i, qp)| {
+                let (q, r, lane) = where_[i];
+                let d = cand
+                    .iter()
+                    .position(|&c| c == direct(&plan, q)[r][lane].mine)
+                    .unwrap_or(0);
+                let hop = eps[q].peers[me][r][lane];
+                let dev = &eps[q].devices[hop.dev as usize];
+                let mtu = devices[d].active_mtu.min(dev.mtu);
                 let far = RemoteQp {
-                    gid: theirs.gid,
-                    qpn,
-                    psn,
+                    gid: dev.gid,
+                    qpn: hop.qpn,
+                    psn: hop.psn,
                 };
                 let qp = qp.into_rtr(&far, mtu)?.into_rts()?;
-                path_mtu[lane] = path_mtu[lane].min(mtu_bytes(mtu));
-                remote[q * LANES + lane] = RemoteRegion {
-                    addr: eps[q].addr,
-                    rkey: theirs.rkey,
-                };
-                Ok(Link::new(qp, d))
+                Ok(Link::new(
+                    qp,
+                    d,
+                    r,
+                    RemoteRegion {
+                        addr: eps[q].addr,
+                        rkey: dev.rkey,
+                    },
+                    dev.gid,
+                    mtu_bytes(mtu),
+                ))
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok((links, remote, path_mtu))
+            .collect()
     })();
     // Also the barrier: nobody writes before every peer's QPs are in RTR.
-    let (links, remote, path_mtu) = boot.agree("verbs connect", connected)?;
+    let links = boot.agree("verbs connect", connected)?;
 
+    let relays = plan
+        .forwards
+        .iter()
+        .map(|&(from, to)| Relay::new(from, to))
+        .collect();
     let fabric = VerbsFabric {
         links,
         devices,
-        lane_dev,
-        link_index: qp_index,
-        remote,
+        rails,
+        relays,
+        plan,
         layout: *layout,
         base: region.as_ptr() as u64,
         timeout: cfg.timeout,
-        path_mtu,
         last_seq: 0,
         last_post: Instant::now(),
         signal_each_call: cfg.staging == Staging::CopyEngine,
         tail: false,
         failed: None,
         polls: 0,
+        region: Arc::clone(region),
     };
     log::info!("arx verbs: rank {me}: {}", fabric.describe());
     Ok(fabric)

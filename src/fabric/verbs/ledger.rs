@@ -120,6 +120,11 @@ impl Ledger {
         }
     }
 
+    /// WRs known complete (every WR up to this count).
+    pub(super) fn completed(&self) -> u64 {
+        self.completed
+    }
+
     /// WRs ever posted on this QP (the count of the last one).
     pub(super) fn posted(&self) -> u64 {
         self.posted

@@ -81,6 +81,7 @@ mod endpoint;
 mod ledger;
 mod post;
 mod qp;
+mod relay;
 mod wrappers;
 
 pub(crate) use connect::connect;
@@ -90,10 +91,13 @@ use std::time::{Duration, Instant};
 
 use rdma_sys::ibv_mtu;
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
-use crate::layout::Layout;
-use post::{Link, RemoteRegion};
+use crate::layout::{Layout, Region};
+use crate::topology::route::{Plan, Route};
+use post::Link;
 use wrappers::Device;
 
 const LANES: usize = crate::abi::ARX_LANES as usize;
@@ -171,22 +175,23 @@ fn gid_text(g: &[u8; 16]) -> String {
     std::net::Ipv6Addr::from(*g).to_string()
 }
 
-/// RC QPs to every peer on both lanes.
+/// RC QPs to every directly linked peer, per rail and lane; forwarding
+/// for the peers this rank relays between.
 pub(crate) struct VerbsFabric {
     // Field order is drop order: QPs, then the devices (CQ, MR, PD,
-    // context); the Arcs inside make this right regardless.
+    // context), then the region; the Arcs inside make this right regardless.
     links: Vec<Link>,
     devices: Vec<Device>,
-    /// Device index of each lane.
-    lane_dev: [usize; LANES],
-    /// Index into `links` of (peer, lane): `link_index[peer * LANES + lane]`.
-    link_index: Vec<usize>,
-    /// Each peer's region per lane: `remote[peer * LANES + lane]`.
-    remote: Vec<RemoteRegion>,
+    /// `rails[q][rail][lane]`: index into `links` (empty for this rank and
+    /// for peers reached through a relay).
+    rails: Vec<Vec<[usize; LANES]>>,
+    /// The partials this rank forwards (a 4-ring's diagonals).
+    relays: Vec<relay::Relay>,
+    /// The routes, for `describe` and errors.
+    plan: Plan,
     layout: Layout,
     base: u64,
     timeout: Duration,
-    path_mtu: [u32; LANES],
     /// Last seq posted.
     last_seq: u64,
     last_post: Instant,
@@ -200,6 +205,8 @@ pub(crate) struct VerbsFabric {
     failed: Option<Error>,
     /// `progress` calls since the last stall check.
     polls: u32,
+    /// The region (flags read by the relay; kept mapped while registered).
+    region: Arc<Region>,
 }
 
 impl Fabric for VerbsFabric {
@@ -217,9 +224,13 @@ impl Fabric for VerbsFabric {
 
     fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
         let i = *self
-            .link_index
-            .get(peer * LANES + lane)
-            .ok_or_else(|| Error::InvalidArgument(format!("no QP to peer {peer} lane {lane}")))?;
+            .rails
+            .get(peer)
+            .and_then(|r| r.first())
+            .and_then(|r| r.get(lane))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("no QP to peer {peer} lane {lane} (rail 0)"))
+            })?;
         self.links[i].qp.inject_error()
     }
 
@@ -233,6 +244,12 @@ impl Fabric for VerbsFabric {
         if let Err(e) = reaped {
             let seq = self.last_seq;
             return Err(self.fail(e, seq));
+        }
+        if !self.relays.is_empty() {
+            if let Err(e) = self.forward() {
+                let seq = self.last_seq;
+                return Err(self.fail(e, seq));
+            }
         }
         if self.tail && self.last_post.elapsed() > FLUSH_AFTER {
             self.flush_tails(false)?;
@@ -254,40 +271,77 @@ impl Fabric for VerbsFabric {
     }
 
     fn completed_through(&self, _posted: u64) -> u64 {
-        // Every call goes to every QP, so a call is complete once every QP
-        // has completed it.
+        // A call goes to one rail of every directly linked peer. A QP with
+        // nothing outstanding has completed every call it carried; one with
+        // WRs outstanding has completed calls up to its `done_seq`. Calls
+        // that did not use a QP do not wait for it.
         self.links
             .iter()
+            .filter(|l| l.ledger.outstanding() > 0)
             .map(|l| l.ledger.done_seq())
             .min()
             .unwrap_or(self.last_seq)
+            .min(self.last_seq)
     }
 
     fn describe(&self) -> String {
-        let lanes: Vec<String> = (0..LANES)
-            .map(|l| {
-                let d = &self.devices[self.lane_dev[l]];
-                format!(
-                    "lane {l}: {} port {} GID[{}] {} MTU {} (path {})",
-                    d.ctx.name,
-                    d.sel.port,
-                    d.sel.gid_index,
-                    gid_text(&d.gid),
-                    mtu_bytes(d.active_mtu),
-                    self.path_mtu[l]
-                )
-            })
-            .collect();
-        format!(
-            "{}; {} RC QPs, send queue {SQ_DEPTH}, signal every {SIGNAL_EVERY}{}",
-            lanes.join("; "),
+        let me = self.layout.rank();
+        let mut out = vec![format!(
+            "{} device(s), {} RC QPs, send queue {SQ_DEPTH}, signal every {SIGNAL_EVERY}{}",
+            self.devices.len(),
             self.links.len(),
             if self.signal_each_call {
                 " and each call's last"
             } else {
                 ""
             }
-        )
+        )];
+        for q in self.layout.peers() {
+            match &self.plan.routes[q] {
+                Some(Route::Relay { via }) => out.push(format!(
+                    "route to rank {q}: relayed by rank {via} (no direct link)"
+                )),
+                Some(Route::Direct { how, .. }) => {
+                    for (r, ix) in self.rails[q].iter().enumerate() {
+                        let lanes: Vec<String> = ix
+                            .iter()
+                            .enumerate()
+                            .map(|(l, &i)| {
+                                let link = &self.links[i];
+                                let d = &self.devices[link.dev];
+                                format!(
+                                    "lane {l} {} port {} {} {} GID[{}] {} -> {} MTU {}",
+                                    d.ctx.name,
+                                    d.sel.port,
+                                    d.sel.netdev,
+                                    match (d.sel.ipv4, d.sel.prefix) {
+                                        (Some(a), Some(p)) =>
+                                            format!("{}/{p}", crate::topology::network(a, p)),
+                                        _ => "subnet ?".into(),
+                                    },
+                                    d.sel.gid_index,
+                                    gid_text(&d.gid),
+                                    gid_text(&link.remote_gid),
+                                    link.path_mtu
+                                )
+                            })
+                            .collect();
+                        out.push(format!(
+                            "route to rank {q} rail {r} ({how}): {}",
+                            lanes.join("; ")
+                        ));
+                    }
+                }
+                None => {}
+            }
+        }
+        for r in &self.relays {
+            out.push(format!(
+                "forwards rank {}'s partials to rank {} (relay of {me})",
+                r.from, r.to
+            ));
+        }
+        out.join("\n  ")
     }
 }
 

@@ -9,7 +9,7 @@ use rdma_sys::*;
 
 use super::ledger::{Ledger, MAX_CHAIN};
 use super::qp::{Qp, Rts};
-use super::{errno_text, verbs_err, VerbsFabric, KICK_AFTER, LANES, POLL_BATCH};
+use super::{errno_text, verbs_err, VerbsFabric, KICK_AFTER, POLL_BATCH};
 use crate::dtype::POISON_COUNT;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
@@ -20,11 +20,20 @@ use crate::spin::Backoff;
 const WR_COUNT_BITS: u32 = 48;
 const WR_COUNT_MASK: u64 = (1 << WR_COUNT_BITS) - 1;
 
-/// One connection: the QP to a peer on one lane, with its send accounting.
+/// One connection: the QP to a peer on one rail and lane, with its send
+/// accounting.
 pub(super) struct Link {
     pub(super) qp: Qp<Rts>,
     /// Index of the lane's device in `VerbsFabric::devices`.
-    dev: usize,
+    pub(super) dev: usize,
+    /// The rail (of the routes to this peer) the QP belongs to.
+    pub(super) rail: usize,
+    /// The peer's region as its device on the far end sees it.
+    pub(super) remote: RemoteRegion,
+    /// The far end's GID.
+    pub(super) remote_gid: [u8; 16],
+    /// The path MTU in bytes (the smaller of the two ports' active MTUs).
+    pub(super) path_mtu: u32,
     pub(super) ledger: Ledger,
     /// The last flag written (remote address, word), for a tail flush.
     last_flag: Option<(u64, u64)>,
@@ -35,12 +44,24 @@ pub(super) struct Link {
 }
 
 impl Link {
-    /// `qp`, on device `dev` of the fabric, with nothing posted yet.
-    pub(super) fn new(qp: Qp<Rts>, dev: usize) -> Self {
+    /// `qp`, on device `dev` of the fabric, rail `rail`, to a peer whose
+    /// region is `remote`, with nothing posted yet.
+    pub(super) fn new(
+        qp: Qp<Rts>,
+        dev: usize,
+        rail: usize,
+        remote: RemoteRegion,
+        remote_gid: [u8; 16],
+        path_mtu: u32,
+    ) -> Self {
         Link {
             ledger: Ledger::new(qp.depth()),
             qp,
             dev,
+            rail,
+            remote,
+            remote_gid,
+            path_mtu,
             last_flag: None,
             broken: false,
             last_progress: Instant::now(),
@@ -57,16 +78,18 @@ pub(super) struct RemoteRegion {
 
 /// One WR to be chained: local source (address, length, lkey; INLINE when
 /// lkey is None), remote destination.
-struct Write {
-    local: u64,
-    len: u32,
-    lkey: Option<u32>,
-    remote: u64,
-    rkey: u32,
+pub(super) struct Write {
+    pub(super) local: u64,
+    pub(super) len: u32,
+    pub(super) lkey: Option<u32>,
+    pub(super) remote: u64,
+    pub(super) rkey: u32,
 }
 
 impl VerbsFabric {
-    /// Posts call `seq` to every peer (see [`Fabric::post`]).
+    /// Posts call `seq` to every directly linked peer (see
+    /// [`Fabric::post`]), over rail `seq % rails` of each; peers reached
+    /// through a relay get it from their relay.
     pub(super) fn post_all(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()> {
         let p = (seq & 1) as usize;
         let me = self.layout.rank();
@@ -74,12 +97,19 @@ impl VerbsFabric {
         let dst_data = self.layout.recv_offset(p, me) as u64;
         let layout = self.layout;
         for q in layout.peers() {
-            for lane in 0..LANES {
-                let i = self.link_index[q * LANES + lane];
-                let rr = self.remote[q * LANES + lane];
+            let nrails = self.rails[q].len();
+            if nrails == 0 {
+                continue;
+            }
+            // q overwrites the slot this rank forwards from only after this
+            // call reaches it: forwards of its earlier calls must be done.
+            self.relay_wait(q, seq)?;
+            let rail = self.rails[q][(seq % nrails as u64) as usize];
+            for (lane, &i) in rail.iter().enumerate() {
+                let rr = self.links[i].remote;
                 let part = Layout::lane_range(bytes, lane);
                 let flag_remote = rr.addr + self.layout.flag_offset(p, me, lane) as u64;
-                let lkey = self.devices[self.lane_dev[lane]].mr.lkey();
+                let lkey = self.devices[self.links[i].dev].mr.lkey();
                 let data = Write {
                     local: src + part.start as u64,
                     len: part.len() as u32,
@@ -127,7 +157,7 @@ impl VerbsFabric {
     }
 
     /// Room for `n` more WRs on link `i`, polling (bounded) while it is full.
-    fn reserve(&mut self, i: usize, n: u64) -> Result<()> {
+    pub(super) fn reserve(&mut self, i: usize, n: u64) -> Result<()> {
         if self.links[i].ledger.has_room(n) {
             return Ok(());
         }
@@ -144,9 +174,10 @@ impl VerbsFabric {
                     during: "verbs send queue (waiting for completions)",
                     waited: start.elapsed(),
                     detail: format!(
-                        "device {}, peer {}, lane {}: {} WRs outstanding of {}; the peer's NIC does not acknowledge",
+                        "device {}, peer {}, rail {} lane {}: {} WRs outstanding of {}; the peer's NIC does not acknowledge",
                         self.device_name(link),
                         link.qp.peer(),
+                        link.rail,
                         link.qp.lane(),
                         link.ledger.outstanding(),
                         link.ledger.depth()
@@ -161,7 +192,7 @@ impl VerbsFabric {
     /// `signal_last` signals the last WR whatever the count; the chain's
     /// last WR completes call `seq` on this QP (None: a chain that completes
     /// no new call, see [`Ledger::commit`]).
-    fn post_chain(
+    pub(super) fn post_chain(
         &mut self,
         i: usize,
         writes: &[Write],
@@ -305,26 +336,32 @@ impl VerbsFabric {
     }
 
     /// Writes poisoned flags for `seq` and `seq + 1` into every peer this
-    /// rank can still reach, so that peers waiting on it fail at once.
+    /// rank can still reach directly, so that peers waiting on it fail at
+    /// once. (A peer reached through a relay learns it from the relay, which
+    /// forwards the poisoned words like any flag.)
     fn poison(&mut self, seq: u64) {
         let me = self.layout.rank();
         let layout = self.layout;
         for q in layout.peers() {
             // Any healthy QP to q can write every flag of ours there: its
             // device's rkey covers the whole region.
-            let Some(lane) =
-                (0..LANES).find(|&l| !self.links[self.link_index[q * LANES + l]].broken)
+            let Some(i) = self.rails[q]
+                .iter()
+                .flatten()
+                .copied()
+                .find(|&i| !self.links[i].broken)
             else {
                 continue;
             };
-            let i = self.link_index[q * LANES + lane];
-            let rr = self.remote[q * LANES + lane];
+            let rr = self.links[i].remote;
             let words: Vec<(u64, u64)> = [seq, seq + 1]
                 .iter()
                 .flat_map(|&s| {
                     let p = (s & 1) as usize;
                     let word = flag_word(s, crate::abi::ARX_DTYPE_INVALID, POISON_COUNT);
-                    (0..LANES).map(move |l| (p, l, word)).collect::<Vec<_>>()
+                    (0..super::LANES)
+                        .map(move |l| (p, l, word))
+                        .collect::<Vec<_>>()
                 })
                 .map(|(p, l, word)| (rr.addr + self.layout.flag_offset(p, me, l) as u64, word))
                 .collect();
@@ -380,7 +417,7 @@ impl VerbsFabric {
             let Some((remote, word)) = link.last_flag else {
                 continue;
             };
-            let rkey = self.remote[link.qp.peer() * LANES + link.qp.lane()].rkey;
+            let rkey = link.remote.rkey;
             self.post_chain(
                 i,
                 &[Write {
