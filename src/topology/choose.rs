@@ -484,4 +484,30 @@ mod tests {
         let e = sel("spark_port1", &[("ARX_DEVICES", "rocep1s0f0,roceP2p1s0f0")]).unwrap_err();
         assert!(e.to_string().contains("no ACTIVE port"), "{e}");
     }
+
+    #[test]
+    fn a_gid_that_moved_since_start_up_is_named() {
+        use crate::topology::gid_drift;
+        use crate::topology::test_util::{cfg_with, fixture};
+        let s = sel("spark_both", &[]).unwrap();
+        let lane1 = &s.lanes[1];
+        assert_eq!(lane1.name, "roceP2p1s0f0");
+        // Unchanged: the same tree.
+        assert_eq!(
+            gid_drift(&fixture("spark_both"), lane1, &cfg_with(&[])),
+            None
+        );
+        // The same device's IPv4 RoCE v2 GID now at index 4 (a link flap).
+        let d = gid_drift(&fixture("spark_gid_3_and_4"), lane1, &cfg_with(&[])).unwrap();
+        assert!(
+            d.contains("GID[3]") && d.contains("GID[4]") && d.contains("restart"),
+            "{d}"
+        );
+        // Address gone (port 0's IPv4 removed): named, with the old GID.
+        let d = gid_drift(&fixture("spark_ip_on_port1"), &s.lanes[0], &cfg_with(&[])).unwrap();
+        assert!(
+            d.contains("no longer has the GID") && d.contains("10.0.0.10"),
+            "{d}"
+        );
+    }
 }

@@ -117,6 +117,41 @@ pub(super) fn resolve_gid(
     )))
 }
 
+/// Whether `lane`'s GID is still what start-up resolved, read again from
+/// the sysfs tree under `root` (`/` for the live system) the same way: after
+/// a link flap or a netplan re-apply the IPv4 RoCE v2 GID can move to
+/// another index or change address (FACTS.md), and a QP built on the old one
+/// fails. None when it is unchanged; otherwise what changed, for the error
+/// of the failed QP.
+pub fn gid_drift(root: &std::path::Path, lane: &super::LaneDevice, cfg: &Config) -> Option<String> {
+    let d = super::sysfs::read_device(root, &lane.name);
+    let then = format!(
+        "GID[{}] {} on {}",
+        lane.gid_index,
+        format_gid(&lane.gid),
+        lane.netdev
+    );
+    let Some(port) = d.ports.iter().find(|p| p.port == lane.port) else {
+        return Some(format!(
+            "{} port {} is gone from sysfs (it had {then} at start-up)",
+            lane.name, lane.port
+        ));
+    };
+    match resolve_gid(&d, port, cfg, &mut Vec::new()) {
+        Ok((g, _)) if g.index == lane.gid_index && g.gid == lane.gid => None,
+        Ok((g, nd)) => Some(format!(
+            "{}'s RoCE v2 GID changed since start-up: {then} then, GID[{}] {} on {nd} now              (a link flap or netplan re-apply?); restart the job so that every rank              resolves it again",
+            lane.name,
+            g.index,
+            format_gid(&g.gid)
+        )),
+        Err(e) => Some(format!(
+            "{} no longer has the GID it had at start-up ({then}): {e}",
+            lane.name
+        )),
+    }
+}
+
 /// Formats a GID as sysfs does, with an IPv4 suffix when IPv4-mapped.
 pub fn format_gid(g: &[u8; 16]) -> String {
     let mut s = String::new();

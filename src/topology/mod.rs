@@ -65,7 +65,7 @@ use crate::config::Config;
 use crate::error::Result;
 
 pub use cpu::pin_current_thread;
-pub use gid::format_gid;
+pub use gid::{format_gid, gid_drift};
 pub use ibv::ibv_devices;
 pub use ifaddr::{network, IfAddr};
 pub use memlock::{check_memlock, memlock_limits, memlock_needed};

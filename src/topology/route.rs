@@ -640,6 +640,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn spark_fixtures_ring3_routes_each_peer_through_its_own_port() {
         let (sels, plans) = cluster("spark_ring3", 3);
         for me in 0..3 {
@@ -658,6 +659,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn spark_fixtures_ring4_relays_only_the_diagonals() {
         let (sels, plans) = cluster("spark_ring4", 4);
         for me in 0..4 {
@@ -674,6 +676,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn spark_fixtures_switch_uses_port_0_for_everyone() {
         let (sels, plans) = cluster("spark_switch", 4);
         for me in 0..4 {

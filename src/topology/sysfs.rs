@@ -170,7 +170,7 @@ fn read_gids(port_dir: &Path) -> Vec<GidEntry> {
     out
 }
 
-fn read_device(sysfs: &Path, name: &str) -> DeviceInfo {
+pub(super) fn read_device(sysfs: &Path, name: &str) -> DeviceInfo {
     let dir = sysfs.join("sys/class/infiniband").join(name);
     let pci = pci_of(sysfs, &dir);
     let pci_dir = dir.join("device");

@@ -118,6 +118,30 @@ fn open_local(
     })
 }
 
+/// `e`, with what changed if `dev`'s GID is no longer what start-up
+/// resolved (the usual cause of a QP that cannot reach RTR or that fails).
+pub(super) fn with_gid_drift(e: Error, dev: &topology::LaneDevice, cfg: &Config) -> Error {
+    match (topology::gid_drift(std::path::Path::new("/"), dev, cfg), e) {
+        (
+            Some(d),
+            Error::Verbs {
+                call,
+                device,
+                peer,
+                lane,
+                detail,
+            },
+        ) => Error::Verbs {
+            call,
+            device,
+            peer,
+            lane,
+            detail: format!("{detail}; {d}"),
+        },
+        (_, e) => e,
+    }
+}
+
 /// Every rank's device record, and this rank's route plan. Collective.
 fn plan_routes(boot: &Bootstrap, sel: &Selection, me: usize) -> Result<Plan> {
     let all = boot.all_gather_bytes("verbs routes", &sel.ports().encode())?;
@@ -244,7 +268,10 @@ pub(crate) fn connect(
                     qpn: hop.qpn,
                     psn: hop.psn,
                 };
-                let qp = qp.into_rtr(&far, mtu)?.into_rts()?;
+                let qp = qp
+                    .into_rtr(&far, mtu)
+                    .and_then(|q| q.into_rts())
+                    .map_err(|e| with_gid_drift(e, &devices[d].sel, cfg))?;
                 Ok(Link::new(
                     qp,
                     d,
@@ -282,6 +309,7 @@ pub(crate) fn connect(
         tail: false,
         failed: None,
         polls: 0,
+        cfg: cfg.clone(),
         region: Arc::clone(region),
     };
     log::info!("arx verbs: rank {me}: {}", fabric.describe());

@@ -205,6 +205,8 @@ pub(crate) struct VerbsFabric {
     failed: Option<Error>,
     /// `progress` calls since the last stall check.
     polls: u32,
+    /// The settings (the GID choice, re-run when a QP fails).
+    cfg: crate::config::Config,
     /// The region (flags read by the relay; kept mapped while registered).
     region: Arc<Region>,
 }

@@ -313,18 +313,22 @@ impl VerbsFabric {
                         .to_string_lossy()
                         .into_owned();
                     let (peer, lane, dev) = (link.qp.peer(), link.qp.lane(), link.dev);
-                    first_err = Some(verbs_err(
-                        "completion",
-                        &self.devices[dev].ctx.name,
-                        Some(peer),
-                        Some(lane),
-                        format!(
-                            "{status} (status {}, vendor error {:#x}, WR {} of this QP); \
+                    first_err = Some(super::connect::with_gid_drift(
+                        verbs_err(
+                            "completion",
+                            &self.devices[dev].ctx.name,
+                            Some(peer),
+                            Some(lane),
+                            format!(
+                                "{status} (status {}, vendor error {:#x}, WR {} of this QP); \
                              is peer {peer} alive and its link up?",
-                            wc.status,
-                            wc.vendor_err,
-                            wc.wr_id & WR_COUNT_MASK
+                                wc.status,
+                                wc.vendor_err,
+                                wc.wr_id & WR_COUNT_MASK
+                            ),
                         ),
+                        &self.devices[dev].sel,
+                        &self.cfg,
                     ));
                 }
                 if n < POLL_BATCH {
