@@ -1,9 +1,12 @@
 //! RDMA device discovery and selection (hwloc + sysfs), proxy pinning.
 //!
-//! Picks one RDMA device per PCIe root for the physical port whose link is
-//! ACTIVE on both roots, resolves each device's RoCE v2 GID on its own
-//! netdev, reads MTU and PCIe link, checks RLIMIT_MEMLOCK, and chooses the
-//! proxy's core.
+//! Finds every RDMA device that could carry a lane (ACTIVE, with a RoCE v2
+//! IPv4 GID on its own netdev, and that address's prefix), picks the
+//! primary lanes (one device per PCIe root for the lowest port ACTIVE on
+//! both roots), reads MTU and PCIe link, checks RLIMIT_MEMLOCK, and chooses
+//! the proxy's core. Which devices reach which peer is decided later, from
+//! every rank's devices, by [`route::plan`] (per-peer routes: a 3-Spark
+//! ring reaches each neighbour through the port cabled to it).
 //!
 //! # Where each part lives
 //!
@@ -11,7 +14,10 @@
 //!   and CPUs from sysfs, completed and cross-checked by hwloc (`hwloc.rs`,
 //!   the hwloc FFI).
 //! * `gid.rs`: the GID choice, per device.
-//! * `choose.rs`: which devices carry the two lanes; PCIe link warnings.
+//! * `choose.rs`: the primary lanes and the candidates; PCIe link warnings.
+//! * `route.rs`: per-peer routes from every rank's candidates (subnet
+//!   matching, rails, relays, the fallback to primary lanes).
+//! * `ifaddr.rs`: the netdevs' IPv4 addresses and prefixes (`getifaddrs`).
 //! * `cpu.rs`: the proxy's CPU per local rank; [`pin_current_thread`].
 //! * `memlock.rs`: [`memlock_needed`], [`check_memlock`], [`memlock_limits`].
 //! * `ibv.rs`: [`ibv_devices`], the devices libibverbs itself lists.

@@ -1,21 +1,34 @@
-//! The Verbs fabric: RDMA writes over RC queue pairs, one device per lane.
+//! The Verbs fabric: RDMA writes over RC queue pairs, on the devices each
+//! peer's route names.
 //!
-//! Per device (a lane's device in the topology's [`Selection`], which
-//! start-up makes once for the fabric and the proxy; two lanes may share
-//! one): a context, a protection domain, the region registered once
+//! Routes ([`route`](crate::topology::route)): every rank all-gathers its
+//! addressed devices (name, PCIe root, function, IPv4 address and prefix)
+//! and plans, identically on every rank, how each peer is reached: directly,
+//! over one or two *rails* of two lanes each (lane 0 and lane 1 on two PCIe
+//! roots of the port cabled to that peer; two cables to one peer give two
+//! rails), or through a *relay* (a common neighbour forwards the partials:
+//! the diagonals of a 4-ring, see `relay.rs`). Only the devices some route
+//! uses are opened.
+//!
+//! Per device: a context, a protection domain, the region registered once
 //! (`LOCAL_WRITE | REMOTE_WRITE`, never relaxed ordering: the flag must not
-//! overtake its data on PCIe), and one completion queue. Per (peer, lane): an
-//! RC queue pair. Every rank all-gathers its endpoints (GID, MTU, rkey, QPNs
-//! and PSNs) over MPI in a small versioned record, then moves its QPs
+//! overtake its data on PCIe), and one completion queue. Per (peer, rail,
+//! lane): an RC queue pair on that lane's device. Every rank all-gathers its
+//! endpoints (per device GID, MTU, rkey; per peer, rail and lane the device,
+//! QPN and PSN) over MPI in a small versioned record, then moves its QPs
 //! INIT → RTR → RTS; the closing `Bootstrap::agree` is also the barrier that
 //! guarantees every peer's QPs are ready to receive before anyone writes.
 //!
-//! Per call, for every peer `r+1, r+2, …` and each lane, one `ibv_post_send`
-//! carries two chained WRs on that lane's QP: the lane's part of `send[p]`
-//! into the peer's `recv[p][r]` (omitted when the part is empty), then the
-//! 8-byte flag word, INLINE (copied at post time; it is a value on our
-//! stack), into the peer's `flags[p][r][lane]`. RC delivers the writes of one
-//! QP in order, so the flag never lands before its data.
+//! Per call `seq`, for every directly linked peer `r+1, r+2, …`, on rail
+//! `seq % rails` and for each lane, one `ibv_post_send` carries two chained
+//! WRs on that lane's QP: the lane's part of `send[p]` into the peer's
+//! `recv[p][r]` (omitted when the part is empty), then the 8-byte flag word,
+//! INLINE (copied at post time; it is a value on our stack), into the peer's
+//! `flags[p][r][lane]`. RC delivers the writes of one QP in order, so the
+//! flag never lands before its data. Successive calls may take different
+//! rails (different QPs): each parity has its own slots and flags, and call
+//! `seq + 2` reuses the rail of `seq`, so every slot is rewritten on the QP
+//! that wrote it last.
 //!
 //! Selective signalling, counted per QP ([`Ledger`](ledger::Ledger)): a WR
 //! is signalled every [`SIGNAL_EVERY`] WRs and when it makes the send queue
@@ -24,7 +37,8 @@
 //! timeout. Each QP's ledger records which call every outstanding WR
 //! completes, and [`Fabric::completed_through`] is the last call every QP
 //! has completed: the proxy publishes it as `ctrl.sent` (the send slot of
-//! that call may be overwritten). Copy-engine staging waits for `sent` on
+//! that call may be overwritten; a QP with nothing outstanding holds no call
+//! back). Copy-engine staging waits for `sent` on
 //! every call, so with `ARX_STAGING=copy` the last WR of every call is
 //! signalled on every QP, and `sent` follows each call within an
 //! acknowledgement's time. Otherwise an unsignalled tail left by an idle
@@ -67,10 +81,14 @@
 //!   `Device`, one device's objects;
 //! * `qp.rs`: RC queue pairs, their INIT → RTR → RTS transitions in the type;
 //! * `endpoint.rs`: the endpoint record ranks exchange to connect;
-//! * `connect.rs`: [`connect()`]: devices, QPs, exchange, transitions;
+//! * `connect.rs`: [`connect()`]: route planning, devices, QPs, exchange,
+//!   transitions; a QP that cannot connect, or fails later, says whether its
+//!   device's GID moved since start-up (`topology::gid_drift`);
 //! * `ledger.rs`: per-QP send accounting (signalling, per-call completion)
 //!   and CQ sizing, testable without a device;
-//! * `post.rs`: posting, reaping, poisoning, tail flush and kick.
+//! * `post.rs`: posting, reaping, poisoning, tail flush and kick;
+//! * `relay.rs`: forwarding a neighbour's partial to a rank it has no link
+//!   to, and why the slot it reads is not overwritten meanwhile.
 //!
 //! All `unsafe` of the fabric lives in `wrappers.rs`, `qp.rs` and `post.rs`.
 //!
