@@ -339,6 +339,11 @@ fn run(s: &Shared, layout: Layout, cfg: &Config) {
             // Drain: post everything published and wait for local
             // completions so peers get their last flags, within the timeout.
             let t = *stop_at.get_or_insert_with(Instant::now);
+            // Pump once more after `stop` was seen: the fabric may still owe
+            // peers writes for data that arrived before the instance was
+            // dropped (a relay forwards a neighbour's last partial; the
+            // pump above may have run before it arrived).
+            s.pump(true);
             if s.drained() || s.failed.load(Ordering::Acquire) {
                 return;
             }
