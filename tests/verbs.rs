@@ -26,9 +26,10 @@
 //!   its next two calls it must fail with [`Error::Verbs`], and every other
 //!   rank with [`Error::CallMismatch`] saying that the named rank's fabric
 //!   failed (poisoned flags), all in less than half the timeout, so not by
-//!   the timeout. Rank 0 must name rank 1; a third rank may name rank 1 or
-//!   rank 0 (rank 0's sends to rank 1 then fail too, retry exceeded, so its
-//!   fabric fails as well). A rank whose inputs had all arrived before the
+//!   the timeout. Rank 0 must name rank 1 (by the poisoned flags, or by its
+//!   own writes to rank 1's broken QP failing: retry exceeded, which under
+//!   load can come first); a third rank may name rank 1 or rank 0 (rank 0's
+//!   fabric then fails as well). A rank whose inputs had all arrived before the
 //!   failure was known may return its result for the first of the two
 //!   calls, which must then be correct; the failure comes with the second.
 
@@ -337,6 +338,13 @@ fn break_qp(world: &SimpleCommunicator) -> Result<String, String> {
         }
         // Rank `victim`'s sends to the culprit fail too (retry exceeded),
         // so its fabric fails as well and a third rank may hear of either.
+        // The victim's own writes to the culprit's broken QP go unanswered:
+        // under load its retries can run out (retry exceeded, about half a
+        // second) before the culprit's poisoned flags arrive. That too is a
+        // failure at once naming the culprit.
+        Err(e @ Error::Verbs { peer: Some(p), .. }) if me == victim && p == CULPRIT && fast => {
+            Ok(format!("its sends to rank {p} failed at once, after {took:?}: {e}"))
+        }
         Err(e @ Error::CallMismatch { peer, theirs, .. })
             if me != CULPRIT
                 && (peer == CULPRIT || (peer == victim && me != victim))
