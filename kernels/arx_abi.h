@@ -69,6 +69,10 @@ typedef unsigned int uint32_t;
  * of ARX_SECTION_ALIGN elements so that every chunk of every dtype starts
  * on a 4 KiB boundary of the caller's buffer (as its first does). */
 #define ARX_MAX_CHUNK 0x07fff000u
+/* Count field of the "invalid" flag words a rank whose fabric failed writes
+ * to its peers (so that they fail at once): every count bit, no MORE; no
+ * call or refusal announces it (both are at most ARX_MAX_CHUNK). */
+#define ARX_FLAG_POISON_COUNT 0x07ffffffu
 /* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu
 

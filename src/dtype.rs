@@ -51,7 +51,7 @@ impl Dtype {
 
 /// Element count of the "invalid" flag words a rank writes to its peers when
 /// its fabric failed (see `fabric::verbs`), so that they fail at once.
-pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_COUNT_MASK as usize;
+pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_POISON_COUNT as usize;
 
 /// What a rank announced for a call in its flag word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,25 +85,21 @@ pub struct CallDesc {
 }
 
 impl CallDesc {
-    /// From a flag word's (dtype code, count field) pair.
-    pub(crate) fn new(code: u32, field: usize) -> Self {
+    /// From a flag word (`protocol::flag_call` and `flag_more`).
+    pub(crate) fn of_flag(flag: u64) -> Self {
+        let (code, count) = crate::protocol::flag_call(flag);
         let kind = match Dtype::from_code(code) {
             Some(d) => CallKind::Reduce(d),
-            None if code == abi::ARX_DTYPE_INVALID && field == POISON_COUNT => {
-                return CallDesc {
-                    kind: CallKind::FabricFailed,
-                    count: field,
-                    more: false,
-                };
+            None if code == abi::ARX_DTYPE_INVALID && count == POISON_COUNT => {
+                CallKind::FabricFailed
             }
             None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
             None => CallKind::Unknown(code),
         };
-        let more = abi::ARX_FLAG_MORE as usize;
         CallDesc {
             kind,
-            count: field & !more,
-            more: field & more != 0,
+            count,
+            more: crate::protocol::flag_more(flag),
         }
     }
 }
@@ -328,8 +324,9 @@ mod tests {
 
     #[test]
     fn a_call_desc_reads_the_more_bit() {
+        use crate::protocol::flag_word;
         let more = abi::ARX_FLAG_MORE as usize;
-        let d = CallDesc::new(abi::ARX_DTYPE_F32, 1024 | more);
+        let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_F32, 1024 | more));
         assert_eq!(
             (d.kind, d.count, d.more),
             (CallKind::Reduce(Dtype::F32), 1024, true)
@@ -338,15 +335,20 @@ mod tests {
             d.to_string(),
             "1024 x float then more (a chunk of a call longer than one slot)"
         );
-        let d = CallDesc::new(abi::ARX_DTYPE_BF16, 1024);
+        let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_BF16, 1024));
         assert_eq!((d.count, d.more), (1024, false));
         assert_eq!(d.to_string(), "1024 x bfloat16");
-        // The poison fills the whole count field, MORE bit included: still
-        // "its fabric failed", not a refused chunk.
-        let p = CallDesc::new(abi::ARX_DTYPE_INVALID, POISON_COUNT);
+        let n = abi::ARX_MAX_CHUNK as usize;
+        let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_F16, n | more));
+        assert_eq!((d.count, d.more), (n, true));
+        // The poison is no chunk and no refusal: "its fabric failed".
+        let p = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_INVALID, POISON_COUNT));
         assert_eq!((p.kind, p.more), (CallKind::FabricFailed, false));
-        let r = CallDesc::new(abi::ARX_DTYPE_INVALID, 5);
+        assert!(POISON_COUNT > n && POISON_COUNT & more == 0);
+        let r = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_INVALID, 5));
         assert_eq!((r.kind, r.count, r.more), (CallKind::Refused, 5, false));
+        let r = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_INVALID, n));
+        assert_eq!(r.kind, CallKind::Refused);
     }
 
     /// `part` over byte slices, one per rank.
