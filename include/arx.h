@@ -76,8 +76,8 @@ typedef enum arxResult_t {
   arxSuccess = 0,
   /**
    * An argument or a setting is wrong (NULL pointer, unknown datatype or
-   * operation, overlapping buffers, a count beyond the slot, a value out
-   * of range, a malformed `arxConfig_t`).
+   * operation, overlapping buffers, a count past the address space, a
+   * value out of range, a malformed `arxConfig_t`).
    */
   arxInvalidArgument = 1,
   /**

@@ -37,7 +37,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 3u
+#define ARX_ABI_VERSION 4u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -50,18 +50,35 @@ typedef unsigned int uint32_t;
 #define ARX_LANE_ALIGN 16u
 
 /* The flag word: seq (low 32 bits of the call number) in the high half,
- * then the dtype and the element count of that call, so that a receiver
- * detects a peer that called with a different length or dtype. */
+ * then the dtype and the count field of that call, so that a receiver
+ * detects a peer that called with a different length or dtype.
+ *
+ * A call longer than one slot is split into chunks of at most one slot,
+ * each published, sent and summed as a call of its own (its own seq). The
+ * count field of a chunk holds its element count, plus ARX_FLAG_MORE on
+ * every chunk but the last: ranks that disagree on a call's total length
+ * then differ in the first chunk where their counts or their MORE bits
+ * differ, and fail there at once (a mismatch), never by a timeout. */
 #define ARX_FLAG_SEQ_SHIFT 32u
 #define ARX_FLAG_DTYPE_SHIFT 28u
 #define ARX_FLAG_DTYPE_MASK 0xfu
 #define ARX_FLAG_COUNT_MASK 0x0fffffffu
-/* Largest element count of one call (fits ARX_FLAG_COUNT_MASK). */
+/* In the count field: more chunks of the same call follow this one. */
+#define ARX_FLAG_MORE 0x08000000u
+/* Largest element count of one chunk: below ARX_FLAG_MORE, and a multiple
+ * of ARX_SECTION_ALIGN elements so that every chunk of every dtype starts
+ * on a 4 KiB boundary of the caller's buffer (as its first does). */
+#define ARX_MAX_CHUNK 0x07fff000u
+/* Count field of the "invalid" flag words a rank whose fabric failed writes
+ * to its peers (so that they fail at once): every count bit, no MORE; no
+ * call or refusal announces it (both are at most ARX_MAX_CHUNK). */
+#define ARX_FLAG_POISON_COUNT 0x07ffffffu
+/* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu
 
 /* Element types, as carried in the flag word and PeerInfo's dtype set.
- * INVALID marks a call a rank refused (too long, bad arguments): its peers
- * fail at once instead of timing out. */
+ * INVALID marks a call a rank refused (bad arguments): its peers fail at
+ * once instead of timing out. */
 #define ARX_DTYPE_INVALID 0u
 #define ARX_DTYPE_BF16 1u
 #define ARX_DTYPE_F16 2u
@@ -156,7 +173,7 @@ typedef struct arx_params {
     uint64_t input;
     uint64_t output;
     arx_layout_t layout;
-    /* Elements in this call and its dtype. */
+    /* Elements in this call (chunk) and its dtype. */
     uint32_t count;
     uint32_t dtype;
     /* 1: the kernel stages the partial with SM stores and a system fence;
@@ -165,6 +182,10 @@ typedef struct arx_params {
     /* 16-byte vectors (or elements, for unaligned buffers) each thread
      * handles per work chunk; at least 1. */
     uint32_t unroll;
+    /* ARX_FLAG_MORE when more chunks of the same call follow this launch,
+     * else 0; or'ed into the flag word's count field. */
+    uint32_t more;
+    uint32_t pad;
 } arx_params_t;
 
 #ifndef __CUDACC_RTC__
@@ -176,7 +197,7 @@ typedef struct arx_params {
 ARX_STATIC_ASSERT(sizeof(arx_ctrl_t) == 256, "arx_ctrl_t is 256 bytes");
 ARX_STATIC_ASSERT(sizeof(arx_layout_t) == 56, "arx_layout_t is 56 bytes");
 ARX_STATIC_ASSERT(sizeof(arx_gpu_state_t) == 64, "arx_gpu_state_t is 64 bytes");
-ARX_STATIC_ASSERT(sizeof(arx_params_t) == 104, "arx_params_t is 104 bytes");
+ARX_STATIC_ASSERT(sizeof(arx_params_t) == 112, "arx_params_t is 112 bytes");
 #endif
 
 #endif /* ARX_H */

@@ -54,7 +54,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u32 par = (u32)(seq & 1);
     const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
                      ((u64)(p.dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
-                     ((u64)p.count & ARX_FLAG_COUNT_MASK);
+                     ((u64)(p.count | (p.more & ARX_FLAG_MORE)) & ARX_FLAG_COUNT_MASK);
 
     const S *in = (const S *)p.input;
     S *out = (S *)p.output;

@@ -51,7 +51,7 @@ impl Dtype {
 
 /// Element count of the "invalid" flag words a rank writes to its peers when
 /// its fabric failed (see `fabric::verbs`), so that they fail at once.
-pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_COUNT_MASK as usize;
+pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_POISON_COUNT as usize;
 
 /// What a rank announced for a call in its flag word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,8 +59,7 @@ pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_COUNT_MASK as usize;
 pub enum CallKind {
     /// An all-reduce of this element type.
     Reduce(Dtype),
-    /// A call the rank refused (too long, bad arguments): see that rank's
-    /// own error.
+    /// A call the rank refused (bad arguments): see that rank's own error.
     Refused,
     /// Nothing: the rank's fabric failed (poisoned flags).
     FabricFailed,
@@ -69,17 +68,26 @@ pub enum CallKind {
 }
 
 /// A call as a rank announced it: kind and element count.
+///
+/// A call longer than one slot is split into chunks of one slot (see the
+/// crate docs, Guarantees), each announced on its own: then `count` is the
+/// chunk's, and `more` says whether more chunks of that call follow it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CallDesc {
     /// What was called.
     pub kind: CallKind,
-    /// Elements (as announced; for a refused call, what was asked for).
+    /// Elements (as announced: of this chunk of a longer call; for a
+    /// refused call, what was asked for, at most one slot's worth).
     pub count: usize,
+    /// More chunks of the same call follow this one (the call is longer
+    /// than one slot and this is not its last chunk).
+    pub more: bool,
 }
 
 impl CallDesc {
-    /// From a flag word's (dtype code, count) pair.
-    pub(crate) fn new(code: u32, count: usize) -> Self {
+    /// From a flag word (`protocol::flag_call` and `flag_more`).
+    pub(crate) fn of_flag(flag: u64) -> Self {
+        let (code, count) = crate::protocol::flag_call(flag);
         let kind = match Dtype::from_code(code) {
             Some(d) => CallKind::Reduce(d),
             None if code == abi::ARX_DTYPE_INVALID && count == POISON_COUNT => {
@@ -88,7 +96,11 @@ impl CallDesc {
             None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
             None => CallKind::Unknown(code),
         };
-        CallDesc { kind, count }
+        CallDesc {
+            kind,
+            count,
+            more: crate::protocol::flag_more(flag),
+        }
     }
 }
 
@@ -96,16 +108,20 @@ impl std::fmt::Display for CallDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let n = self.count;
         match self.kind {
-            CallKind::Reduce(d) => write!(f, "{n} x {}", d.name()),
+            CallKind::Reduce(d) => write!(f, "{n} x {}", d.name())?,
             CallKind::FabricFailed => {
-                write!(f, "nothing: its fabric failed (see that rank's error)")
+                return write!(f, "nothing: its fabric failed (see that rank's error)")
             }
             CallKind::Refused => write!(
                 f,
-                "a call it refused ({n} elements: too long or bad arguments; see that rank's error)"
-            ),
-            CallKind::Unknown(c) => write!(f, "{n} elements of unknown dtype {c}"),
+                "a call it refused ({n} elements: bad arguments; see that rank's error)"
+            )?,
+            CallKind::Unknown(c) => write!(f, "{n} elements of unknown dtype {c}")?,
         }
+        if self.more {
+            write!(f, " then more (a chunk of a call longer than one slot)")?;
+        }
+        Ok(())
     }
 }
 
@@ -305,6 +321,35 @@ pub(crate) fn sum_in_rank_order<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_desc_reads_the_more_bit() {
+        use crate::protocol::flag_word;
+        let more = abi::ARX_FLAG_MORE as usize;
+        let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_F32, 1024 | more));
+        assert_eq!(
+            (d.kind, d.count, d.more),
+            (CallKind::Reduce(Dtype::F32), 1024, true)
+        );
+        assert_eq!(
+            d.to_string(),
+            "1024 x float then more (a chunk of a call longer than one slot)"
+        );
+        let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_BF16, 1024));
+        assert_eq!((d.count, d.more), (1024, false));
+        assert_eq!(d.to_string(), "1024 x bfloat16");
+        let n = abi::ARX_MAX_CHUNK as usize;
+        let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_F16, n | more));
+        assert_eq!((d.count, d.more), (n, true));
+        // The poison is no chunk and no refusal: "its fabric failed".
+        let p = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_INVALID, POISON_COUNT));
+        assert_eq!((p.kind, p.more), (CallKind::FabricFailed, false));
+        assert!(POISON_COUNT > n && POISON_COUNT & more == 0);
+        let r = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_INVALID, 5));
+        assert_eq!((r.kind, r.count, r.more), (CallKind::Refused, 5, false));
+        let r = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_INVALID, n));
+        assert_eq!(r.kind, CallKind::Refused);
+    }
 
     /// `part` over byte slices, one per rank.
     fn from_slices<P: AsRef<[u8]>>(parts: &[P]) -> impl Fn(usize, usize, &mut [u8]) + '_ {

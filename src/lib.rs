@@ -51,7 +51,7 @@
 //! |---|---|---|
 //! | device side ★ | `host`, `gpu`, `auto` (`ARX_DEVICE`) | auto: gpu when every rank has a usable CUDA device, else host |
 //! | fabric ★ | `shm`, `verbs`, `auto` (`ARX_FABRIC`) | auto: shm when all ranks share a node, else verbs |
-//! | slot size ★ | 1 byte to 256 MiB − 1, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`); rounded up to a page | 1 MiB |
+//! | slot size ★ | the partial of one one-shot call (longer calls run as chunks of one slot): 1 byte to 256 MiB − 1, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`); rounded up to a page | 1 MiB |
 //! | GPU staging ★ | `sm`, `copy` (`ARX_STAGING`) | sm |
 //! | call timeout | 1 ms to 24 h, in ms (`ARX_TIMEOUT_MS`): every wait of a call, [`Arx::barrier`], the collective close at drop | 10 s |
 //! | start-up timeout | 1 ms to 24 h, in ms (`ARX_INIT_TIMEOUT_MS`): each collective step of start-up | 60 s |
@@ -101,6 +101,17 @@
 //! * Calls of one instance run one after another in the order they are
 //!   made, whatever CUDA streams they are enqueued on and whether they are
 //!   captured into graphs (see GPU buffers).
+//! * Any length works (up to what the buffers hold). A call longer than one
+//!   slot ([`Arx::max_count`] elements) runs as chunks of one slot, the last
+//!   one shorter, each an ordinary one-shot call with its own call number:
+//!   every guarantee above holds per chunk, and since each element is
+//!   summed by exactly one chunk exactly as one call would sum it, the
+//!   result is bit-identical to an unchunked call's, whatever the slot
+//!   size. Every chunk but the last announces that more follow, so ranks
+//!   that disagree on the total length fail at once with
+//!   [`Error::CallMismatch`] at the first chunk where they differ (earlier
+//!   chunks' results may already be in the output). A zero-length call is
+//!   one call moving no data.
 //!
 //! ### Start-up, timeouts and retrying
 //!
@@ -141,11 +152,16 @@
 //! ## GPU buffers
 //!
 //! With the GPU device side, [`Arx::allreduce`] takes cudarc device slices
-//! and a stream, enqueues one kernel (plus two copies with
+//! and a stream, enqueues one kernel per chunk of one slot (one kernel for a
+//! call of one slot or less; plus two copies per chunk with
 //! [`Staging::CopyEngine`]) and returns: it never waits for the GPU and does
 //! no host work that a CUDA graph would have to repeat, so it can be
 //! captured (`CudaStream::begin_capture`) and replayed; the call counter
-//! lives in device memory. Errors the kernel records (a peer's timeout, an
+//! lives in device memory. The chunks of a call follow each other on the
+//! stream with no host round trip, alternating between the two sets of
+//! slots: with SM staging a chunk is staged and sent while this rank's
+//! proxy may still be sending the previous one and slower peers are still
+//! summing it. Errors the kernel records (a peer's timeout, an
 //! abort, a call mismatch) are returned by the next call, or at once by
 //! [`Arx::check`], which synchronizes. A failed kernel writes NaN to its
 //! output, so a replayed graph cannot pass a stale result off as new.
@@ -169,9 +185,10 @@
 //! closed, so the replay moves no data and writes NaN to its output.
 //!
 //! Copy-engine staging writes both send slots before each kernel; every
-//! call of such an instance (also a failed one, also a host call on a GPU
-//! instance) ends only once this rank's own sends of it are complete, so
-//! that no peer can receive the next call's data under this call's flag.
+//! call (every chunk) of such an instance (also a failed one, also a host
+//! call on a GPU instance) ends only once this rank's own sends of it are
+//! complete, so that no peer can receive the next call's data under this
+//! call's flag; so its chunks do not overlap each other's sends.
 //!
 //! Cudarc's per-slice event tracking records events on the slices' streams;
 //! inside stream capture, either use one stream for everything or disable
@@ -323,7 +340,8 @@ impl Arx {
     pub fn config(&self) -> &Config {
         self.device.config()
     }
-    /// Largest element count of one call for `T`.
+    /// Elements of `T` in one slot: the largest one-shot call. Longer calls
+    /// run as chunks of this many elements (see Guarantees).
     pub fn max_count<T: Element>(&self) -> usize {
         self.device.max_count(T::DTYPE)
     }

@@ -157,12 +157,20 @@ pub fn flag_seq(flag: u64) -> u32 {
     (flag >> abi::ARX_FLAG_SEQ_SHIFT) as u32
 }
 
-/// The (dtype, count) bits of a flag word.
+/// The dtype and the element count of a flag word (of a chunk, for a call
+/// longer than one slot: without `ARX_FLAG_MORE`, see [`flag_more`]).
 pub fn flag_call(flag: u64) -> (u32, usize) {
+    let count = u64::from(abi::ARX_FLAG_COUNT_MASK & !abi::ARX_FLAG_MORE);
     (
         ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
-        (flag & u64::from(abi::ARX_FLAG_COUNT_MASK)) as usize,
+        (flag & count) as usize,
     )
+}
+
+/// Whether a flag word announces a chunk after which more chunks of the
+/// same call follow (`ARX_FLAG_MORE`).
+pub fn flag_more(flag: u64) -> bool {
+    flag & u64::from(abi::ARX_FLAG_MORE) != 0
 }
 
 /// The bytes of a `bytes`-long partial that travel on `lane`: the first half

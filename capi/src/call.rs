@@ -1,8 +1,9 @@
 //! The all-reduce calls: the arguments C can get wrong on their face are
 //! checked here, before anything collective happens (the call is then not
 //! made: it does not count, the comm stays usable, and no peer is told).
-//! What needs the instance (a count beyond the slot) is judged by arx,
-//! which announces the refusal so that every peer fails at once.
+//! Any count is passed on: arx runs a count beyond the slot as chunks of
+//! one slot, and ranks whose counts differ (also only in the total of a
+//! chunked call) all fail at once with a mismatch.
 
 use std::ffi::c_void;
 

@@ -34,7 +34,11 @@ fn config() -> arxConfig_t {
 #[test]
 fn every_error_variant_has_its_code() {
     use arxResult_t::*;
-    let call = |kind| CallDesc { kind, count: 3 };
+    let call = |kind| CallDesc {
+        kind,
+        count: 3,
+        more: false,
+    };
     let mismatch = |theirs| Error::CallMismatch {
         seq: 1,
         rank: 0,

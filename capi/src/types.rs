@@ -33,8 +33,8 @@ pub enum arxResult_t {
     /// The call did what it says.
     arxSuccess = 0,
     /// An argument or a setting is wrong (NULL pointer, unknown datatype or
-    /// operation, overlapping buffers, a count beyond the slot, a value out
-    /// of range, a malformed `arxConfig_t`).
+    /// operation, overlapping buffers, a count past the address space, a
+    /// value out of range, a malformed `arxConfig_t`).
     arxInvalidArgument = 1,
     /// The call is not allowed now: MPI is not initialised (or already
     /// finalized), a device call on a comm that runs the host side, another

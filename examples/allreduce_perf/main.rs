@@ -84,7 +84,9 @@ struct Args {
     /// Smallest size in bytes (K/M/G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8")]
     min: String,
-    /// Largest size in bytes (K/M/G suffixes); also sets the slot size.
+    /// Largest size in bytes (K/M/G suffixes). Sizes beyond the slot
+    /// (`ARX_SLOT_BYTES`; by default 1 MiB, or the next power of two of
+    /// this size if less) run as chunks of one slot.
     #[arg(short = 'e', long = "maxbytes", default_value = "1M")]
     max: String,
     /// Multiplication factor between sizes.
@@ -206,11 +208,13 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![dtype_name(d)],
         d => return Err(format!("-d {d}: expected bfloat16, half, float or all")),
     };
-    let slot = max.max(arx::DEFAULT_SLOT_BYTES.min(max.next_power_of_two()));
-    let mut arx = Arx::builder()
-        .slot_bytes(slot)
-        .build(world)
-        .map_err(|e| e.to_string())?;
+    // A small sweep needs no more than its largest size per slot; larger
+    // sizes run chunked, as a program's would. ARX_SLOT_BYTES, if set, wins.
+    let mut builder = Arx::builder();
+    if std::env::var_os("ARX_SLOT_BYTES").is_none() {
+        builder = builder.slot_bytes(arx::DEFAULT_SLOT_BYTES.min(max.next_power_of_two()));
+    }
+    let mut arx = builder.build(world).map_err(|e| e.to_string())?;
     let mut run = Run {
         args,
         world,

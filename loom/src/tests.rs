@@ -19,7 +19,7 @@ use crate::sync::atomic::Ordering;
 const DTYPE: u32 = abi::ARX_DTYPE_F32;
 const COUNT: usize = BYTES / 4;
 /// The count of a poisoned flag word (`dtype::POISON_COUNT` in the library).
-const POISON_COUNT: usize = abi::ARX_FLAG_COUNT_MASK as usize;
+const POISON_COUNT: usize = abi::ARX_FLAG_POISON_COUNT as usize;
 
 /// The preemption bound of every model, unless `LOOM_MAX_PREEMPTIONS` says
 /// otherwise: enough for each protocol step of one thread to be interrupted

@@ -66,7 +66,8 @@ def torch_eager_every_dtype_size_and_mode():
     maxc = COMM.describe()["max_count"]
     cid = 100
     for dtype in ("bfloat16", "float16", "float32"):
-        for n in (1, 5, 4096, 65537, maxc[dtype]):
+        m = maxc[dtype]  # elements per chunk (one slot); longer calls run chunked
+        for n in (1, 5, 4096, 65537, m, m + 1, 2 * m + 3):
             for in_place in (True, False):
                 cid += 1
                 name = f"torch {dtype} n={n} in_place={in_place}"

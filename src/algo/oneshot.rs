@@ -12,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::abi;
+use crate::algo::chunked;
 use crate::device::status;
 use crate::dtype::{sum_in_rank_order, Element};
 use crate::error::Result;
@@ -46,12 +47,15 @@ const FLAG_SET_WORDS: usize = (2 * crate::abi::ARX_MAX_WORLD as usize).div_ceil(
 
 /// Runs one call: publish, wait for every peer's flags, sum in rank order.
 ///
-/// `input` None means in place (the partial is read from `output`).
+/// `input` None means in place (the partial is read from `output`). `more`:
+/// this call is a chunk of a longer call and more chunks follow (announced
+/// in the flag word, see `algo::chunked`); `output` is at most one slot.
 pub(crate) fn host<T: Element>(
     env: &Env<'_>,
     seq: u64,
     input: Option<&[T]>,
     output: &mut [T],
+    more: bool,
 ) -> Result<()> {
     let Env {
         region,
@@ -64,7 +68,7 @@ pub(crate) fn host<T: Element>(
     let bytes = std::mem::size_of_val(output);
     let p = protocol::parity(seq);
     let mem = Placed { region, layout };
-    let flag = flag_word(seq, T::DTYPE.code(), count);
+    let flag = flag_word(seq, T::DTYPE.code(), chunked::count_field(count, more));
 
     // 1. Stage the partial, announce the call, publish seq (release).
     let src: &[u8] = match input {
@@ -73,8 +77,8 @@ pub(crate) fn host<T: Element>(
     };
     // SAFETY: send[p] is ours again: its last use, call seq-2, reached
     // every peer before that peer could end seq-2 and send the seq-1 flag
-    // this rank needed to end seq-1. `src` is the caller's memory; the slot
-    // check bounds its length.
+    // this rank needed to end seq-1. `src` is the caller's memory; the
+    // chunking (`algo::chunked`) bounds its length by the slot.
     unsafe { protocol::stage_and_publish(&mem, seq, flag, src) };
     // Post it from this thread rather than waking the proxy (same order:
     // posting is serialised by the engine lock).
@@ -261,6 +265,11 @@ mod tests {
 
         /// Rank 0's call `seq` on seeded input into a poisoned output.
         fn call(&self, seq: u64) -> (Result<()>, Vec<f32>) {
+            self.chunk(seq, false)
+        }
+
+        /// As `call`, announced as a chunk with more to follow if `more`.
+        fn chunk(&self, seq: u64, more: bool) -> (Result<()>, Vec<f32>) {
             let input = verify::input::<f32>(SEED, seq, 0, COUNT);
             let mut out = vec![0f32; COUNT];
             verify::poison(&mut out);
@@ -271,7 +280,7 @@ mod tests {
                 cfg: &self.cfg,
                 link: &link,
             };
-            let r = host(&env, seq, Some(&input), &mut out);
+            let r = host(&env, seq, Some(&input), &mut out, more);
             (r, out)
         }
 
@@ -382,6 +391,32 @@ mod tests {
                 ..
             }) => {
                 assert_eq!(theirs.kind, crate::CallKind::FabricFailed, "{theirs:?}");
+            }
+            other => panic!("expected a mismatch naming peer 1, got {other:?}"),
+        }
+        r.control.completed.store(1, Ordering::Release);
+    }
+
+    /// Rank 0's chunk says more chunks follow, the peer's same-length call
+    /// ends there (its total length is shorter): a mismatch at once,
+    /// naming the peer, with both sides' "more" marks in the error.
+    #[test]
+    fn a_chunk_whose_peer_has_no_more_fails_at_once() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        r.peer_sends(1);
+        let t = std::time::Instant::now();
+        let (res, _) = r.chunk(1, true);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        match res {
+            Err(Error::CallMismatch {
+                peer: 1,
+                seq: 1,
+                ours,
+                theirs,
+                ..
+            }) => {
+                assert_eq!((ours.count, ours.more), (COUNT, true), "{ours:?}");
+                assert_eq!((theirs.count, theirs.more), (COUNT, false), "{theirs:?}");
             }
             other => panic!("expected a mismatch naming peer 1, got {other:?}"),
         }

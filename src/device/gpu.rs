@@ -33,6 +33,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext};
 
 use crate::abi;
+use crate::algo::chunked;
 use crate::config::Staging;
 use crate::device::nvrtc;
 use crate::device::order::Order;
@@ -423,39 +424,97 @@ impl GpuSide {
         ((chunks.min(self.max_blocks as usize)) as u32, unroll)
     }
 
-    /// Enqueues one call on `stream`: copy-engine staging (if chosen) and
-    /// the kernel. Nothing else happens on the host, so this can be
-    /// captured into a CUDA graph.
+    /// Enqueues one call on `stream`: for each chunk of at most `per`
+    /// elements (`dtype` Some((dtype, per)); see `algo::chunked`), the
+    /// copy-engine staging (if chosen) and one kernel launch on the chunk's
+    /// part of `input` and `output`. Nothing else happens on the host, so
+    /// this can be captured into a CUDA graph.
+    ///
+    /// The chunks of one call are ordered by the stream alone: the
+    /// instance's order events ([`Order`]) are waited for once before the
+    /// first chunk and recorded once after the last, so a call of any length
+    /// costs one wait and one record (two event nodes in a graph). Each
+    /// chunk's kernel takes the next seq from device memory, so a graph
+    /// replay of a chunked call advances it by the number of chunks.
     ///
     /// # Safety
     /// `input` and `output` must be device addresses valid for `count`
     /// elements of `dtype` in this instance's context until the call
     /// completes on the stream; `stream` must belong to that context.
     /// `dtype` None launches a refusal: the call is announced with the
-    /// "invalid" dtype and `count`, and no memory is touched.
+    /// "invalid" dtype and `count` (at most `ARX_MAX_CHUNK`), and no memory
+    /// is touched.
     pub(crate) unsafe fn launch(
         &mut self,
         input: u64,
         output: u64,
         count: usize,
-        dtype: Option<Dtype>,
+        dtype: Option<(Dtype, usize)>,
         stream: sys::CUstream,
     ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(cuda_err("cuCtxSetCurrent"))?;
+        // After the previous launch of this instance, whatever its stream.
+        let cap = self.order.before(stream)?;
+        let r = match dtype {
+            None => {
+                let c = count.min(abi::ARX_MAX_CHUNK as usize);
+                // SAFETY: a refusal touches no memory.
+                unsafe { self.launch_one(0, 0, c, None, false, stream) }
+            }
+            Some((d, per)) => chunked::chunks(count, per).try_for_each(|c| {
+                let at = (c.range.start * d.size()) as u64;
+                // SAFETY: the chunk lies within the caller's `count`
+                // elements (the caller's contract), and holds at most `per`
+                // elements, one slot's worth.
+                unsafe {
+                    self.launch_one(
+                        input + at,
+                        output + at,
+                        c.range.len(),
+                        Some(d),
+                        c.more,
+                        stream,
+                    )
+                }
+            }),
+        };
+        // Recorded also after a failed enqueue: the instance is failed then,
+        // and later launches must still wait for what was enqueued.
+        let after = self.order.after(stream, cap);
+        r.and(after)
+    }
+
+    /// Enqueues one chunk: the copy-engine staging (if chosen) and the
+    /// kernel. `more`: more chunks of the same call follow.
+    ///
+    /// # Safety
+    /// As [`GpuSide::launch`], for `count` ≤ one slot's worth of elements.
+    unsafe fn launch_one(
+        &mut self,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: Option<Dtype>,
+        more: bool,
+        stream: sys::CUstream,
+    ) -> Result<()> {
         let d = dtype;
         let code = d.map_or(abi::ARX_DTYPE_INVALID, Dtype::code);
         let bytes = d.map_or(0, |d| d.size() * count);
         let ce = self.staging == Staging::CopyEngine;
-        // After the previous launch of this instance, whatever its stream.
-        let cap = self.order.before(stream)?;
         if ce && bytes > 0 {
+            // Both slots for every chunk: the parity lives in device memory.
+            // The previous chunk's kernel ended only once the proxy had sent
+            // its slot (`ctrl.sent`), so these copies overwrite nothing in
+            // flight (copy-engine chunks therefore do not overlap each
+            // other's sends; SM-staged chunks do).
             for parity in 0..2 {
                 let dst = self.region_dev + self.layout.send_offset(parity) as u64;
                 // SAFETY: `dst` is a send slot of the mapped region (the
-                // slot check bounds `bytes`), `input` is valid for `bytes`
-                // by the caller's contract, on the caller's stream.
+                // chunking bounds `bytes` by the slot), `input` is valid for
+                // `bytes` by the caller's contract, on the caller's stream.
                 unsafe { result::memcpy_dtod_async(dst, input, bytes, stream) }
                     .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             }
@@ -470,6 +529,8 @@ impl GpuSide {
             dtype: code,
             sm_staging: u32::from(!ce),
             unroll: 1,
+            more: if more { abi::ARX_FLAG_MORE } else { 0 },
+            pad: 0,
         };
         let aligned = (input | output) & 15 == 0;
         let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));
@@ -488,8 +549,7 @@ impl GpuSide {
                 &mut args,
             )
         }
-        .map_err(cuda_err("cuLaunchKernel"))?;
-        self.order.after(stream, cap)
+        .map_err(cuda_err("cuLaunchKernel"))
     }
 
     /// Waits for everything queued in the context (bounded: every arx

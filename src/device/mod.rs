@@ -1,14 +1,15 @@
 //! Device sides: who writes this rank's partial, publishes the call and sums.
 //!
 //! [`Device`] is the one boundary between the public API and the protocol:
-//! it owns the call counter of the host side, the slot check, publishing a
-//! refused call, the sticky error and its translation ([`status`]), and it
-//! dispatches each call to a side:
+//! it owns the call counter of the host side, the chunk size (a call longer
+//! than one slot runs as chunks of at most one slot, `algo::chunked`),
+//! publishing a refused call, the sticky error and its translation
+//! ([`status`]), and it dispatches each call to a side:
 //! * `Host`: the calling thread runs the algorithm on host slices
-//!   (`algo::oneshot::host`) — the embedded default, and how CI exercises
-//!   the proxy and fabrics;
-//! * `Gpu`: the arx CUDA kernel ([`gpu`]; the algorithm is
-//!   `kernels/oneshot.cuh`).
+//!   (`algo::chunked::host`, one `algo::oneshot::host` per chunk) — the
+//!   embedded default, and how CI exercises the proxy and fabrics;
+//! * `Gpu`: the arx CUDA kernel ([`gpu`], one launch per chunk; the
+//!   algorithm is `kernels/oneshot.cuh`).
 //!
 //! The proxy is reached only through its [`Link`] (post inline, health).
 
@@ -17,7 +18,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::abi;
-use crate::algo::oneshot;
+use crate::algo::{chunked, oneshot};
 use crate::config::Config;
 use crate::dtype::{Dtype, Element};
 use crate::error::{Error, Result};
@@ -101,22 +102,11 @@ impl Device {
         &self.cfg
     }
 
-    /// Largest element count of one call of `dtype`.
+    /// Elements of `dtype` in one chunk: what one slot holds (a longer call
+    /// is split into chunks of this many elements, the last one shorter).
+    /// The one place a call's size is judged.
     pub(crate) fn max_count(&self, dtype: Dtype) -> usize {
-        (self.layout.slot_bytes() / dtype.size()).min(abi::ARX_MAX_COUNT as usize)
-    }
-
-    /// The slot check: the one place a call's size is judged.
-    fn check_count(&self, dtype: Dtype, count: usize) -> Result<()> {
-        if count > self.max_count(dtype) {
-            return Err(Error::InvalidArgument(format!(
-                "{count} elements of {} ({} bytes) exceed the slot of {} bytes (ARX_SLOT_BYTES)",
-                dtype.name(),
-                count.saturating_mul(dtype.size()),
-                self.layout.slot_bytes()
-            )));
-        }
-        Ok(())
+        (self.layout.slot_bytes() / dtype.size()).min(abi::ARX_MAX_CHUNK as usize)
     }
 
     fn fail(&mut self, e: Error) -> Error {
@@ -193,17 +183,15 @@ impl Device {
                 return self.refuse_host(output.len(), e);
             }
         }
-        if let Err(e) = self.check_count(T::DTYPE, output.len()) {
-            return self.refuse_host(output.len(), e);
-        }
-        let seq = self.next_host_seq().map_err(|e| self.fail(e))?;
+        let first = self.next_host_seq().map_err(|e| self.fail(e))?;
+        let per = self.max_count(T::DTYPE);
         let env = oneshot::Env {
             region: &self.region,
             layout: &self.layout,
             cfg: &self.cfg,
             link: &self.link,
         };
-        let r = oneshot::host(&env, seq, input, output);
+        let (seq, r) = chunked::host(&env, first, per, input, output);
         let r = r.and_then(|()| self.host_seq_done(seq));
         if r.is_err() {
             self.seq = seq;
@@ -218,7 +206,7 @@ impl Device {
     pub(crate) fn refuse_host(&mut self, count: usize, err: Error) -> Result<()> {
         match self.next_host_seq() {
             Ok(seq) => {
-                let c = count.min(abi::ARX_MAX_COUNT as usize);
+                let c = count.min(abi::ARX_MAX_CHUNK as usize);
                 let word = flag_word(seq, abi::ARX_DTYPE_INVALID, c);
                 crate::protocol::publish(&*self.region, seq, word, 0);
                 let _ = self.host_seq_done(seq);
@@ -248,7 +236,7 @@ impl Device {
         self.gpu().map(|g| g.context())
     }
 
-    /// One GPU call, enqueued on `stream`.
+    /// One GPU call, enqueued on `stream` (one launch per chunk).
     ///
     /// # Safety
     /// As [`crate::Arx::allreduce_raw`].
@@ -261,16 +249,14 @@ impl Device {
         stream: sys::CUstream,
     ) -> Result<()> {
         self.ready()?;
-        if let Err(e) = self.check_count(dtype, count) {
-            return self.refuse_gpu(count, e, stream);
-        }
+        let per = self.max_count(dtype);
         let Side::Gpu(g) = &mut self.side else {
             return Err(Error::InvalidArgument(
                 "this instance runs the host device side: use allreduce_host".into(),
             ));
         };
         // SAFETY: the caller's contract (addresses, stream) is passed on.
-        let r = unsafe { g.launch(input, output, count, Some(dtype), stream) };
+        let r = unsafe { g.launch(input, output, count, Some((dtype, per)), stream) };
         r.map_err(|e| self.fail(e))
     }
 
@@ -285,7 +271,7 @@ impl Device {
     ) -> Result<()> {
         self.ready()?;
         if let Side::Gpu(g) = &mut self.side {
-            let c = count.min(abi::ARX_MAX_COUNT as usize);
+            let c = count.min(abi::ARX_MAX_CHUNK as usize);
             // SAFETY: an INVALID call touches no input or output memory.
             if let Err(e) = unsafe { g.launch(0, 0, c, None, stream) } {
                 log::warn!("arx: could not announce the refused call to peers: {e}");

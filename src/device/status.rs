@@ -16,7 +16,7 @@ use std::time::Duration;
 use crate::abi;
 use crate::dtype::CallDesc;
 use crate::error::Error;
-use crate::layout::{flag_call, flag_seq, peer_flags, Layout, Region};
+use crate::layout::{flag_seq, peer_flags, Layout, Region};
 use crate::protocol::{self, Recorded};
 use crate::proxy::Link;
 
@@ -43,14 +43,12 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
             // recorded the failure (same thread, or the kernel before the
             // synchronize that precedes this read).
             let ours = ctrl.meta((seq & 1) as usize).load(Ordering::Relaxed);
-            let (od, on) = flag_call(ours);
-            let (td, tn) = flag_call(flag);
             Error::CallMismatch {
                 seq,
                 rank: me,
-                ours: CallDesc::new(od, on),
+                ours: CallDesc::of_flag(ours),
                 peer: peer as usize,
-                theirs: CallDesc::new(td, tn),
+                theirs: CallDesc::of_flag(flag),
             }
         }
         abi::ARX_STATUS_ABORTED => link.error().unwrap_or_else(|| Error::Kernel {

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use crate::abi;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
-pub use crate::protocol::{flag_call, flag_seq, flag_word};
+pub use crate::protocol::{flag_seq, flag_word};
 
 mod region;
 pub use region::Region;
@@ -38,7 +38,7 @@ const PARITIES: usize = abi::ARX_PARITIES as usize;
 const _: () = assert!(std::mem::size_of::<abi::arx_ctrl_t>() == 256);
 const _: () = assert!(std::mem::size_of::<abi::arx_layout_t>() == 56);
 const _: () = assert!(std::mem::size_of::<abi::arx_gpu_state_t>() == 64);
-const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 104);
+const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 112);
 
 pub(crate) const fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
@@ -273,7 +273,6 @@ pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
             let f = region
                 .u64_at(layout.flag_offset(p, q, lane))
                 .load(Ordering::Relaxed);
-            let (d, n) = flag_call(f);
             let state = if flag_seq(f) == seq as u32 {
                 "arrived"
             } else {
@@ -285,7 +284,7 @@ pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
                 format!(
                     "last call {} of this parity, {}",
                     flag_seq(f),
-                    crate::dtype::CallDesc::new(d, n)
+                    crate::dtype::CallDesc::of_flag(f)
                 )
             };
             out.push(format!("peer {q} lane {lane}: {state} ({last})"));

@@ -1,5 +1,6 @@
 //! Unit tests of the layout, flag words and region access.
 use super::*;
+use crate::protocol::flag_call;
 
 #[test]
 fn sections_are_disjoint_and_aligned() {
@@ -162,17 +163,22 @@ fn lanes_split_every_byte_once() {
 
 #[test]
 fn flag_word_round_trips() {
-    for (seq, dtype, count) in [
-        (1u64, 1u32, 1usize),
-        (0x1_2345_6789, 3, 0x0fff_ffff),
-        (7, 2, 12345),
+    let more = crate::abi::ARX_FLAG_MORE as usize;
+    for (seq, dtype, count, m) in [
+        (1u64, 1u32, 1usize, false),
+        (0x1_2345_6789, 3, 0x07ff_ffff, false),
+        (0x1_2345_6789, 3, 0x07ff_f000, true),
+        (7, 2, 12345, false),
+        (7, 2, 12345, true),
     ] {
-        let f = flag_word(seq, dtype, count);
+        let f = flag_word(seq, dtype, if m { count | more } else { count });
         assert_eq!(flag_seq(f), seq as u32);
         assert_eq!(flag_call(f), (dtype, count));
+        assert_eq!(crate::protocol::flag_more(f), m);
     }
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 6));
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 3, 5));
+    assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 5 | more));
 }
 
 #[test]

@@ -35,6 +35,15 @@
 //! every post late), −0.0 and the other edge values, and a graph replayed
 //! after its instance was dropped.
 //!
+//! Calls longer than one slot (`chunked.rs`; one launch per chunk): every
+//! dtype at 1, m−1, m, m+1, 2m+3 and ~3.5m elements for a chunk of m (a
+//! 16 KiB slot), out of place, in place and unaligned, and one 16 MiB call
+//! at the default slot; chunked calls captured into graphs (alone and next
+//! to an ordinary call) and replayed with new input; chunked calls on a
+//! second stream interleaved with ordinary calls on the first; a rank with
+//! one chunk more than the others (every rank fails with `CallMismatch` at
+//! once).
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
@@ -58,9 +67,11 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod checks;
+mod chunked;
 mod wrong_sum;
 
 use checks::*;
+use chunked::*;
 use wrong_sum::*;
 
 const SEED: u64 = 0x6e0_5eed;
@@ -250,6 +261,22 @@ fn child() -> ExitCode {
         (
             "a graph replayed after its instance was dropped",
             replay_after_drop,
+        ),
+        (
+            "calls longer than one slot: every dtype and length, eager",
+            chunked_eager,
+        ),
+        (
+            "calls longer than one slot captured into graphs and replayed",
+            chunked_graph,
+        ),
+        (
+            "chunked calls on a second stream between calls on the first",
+            chunked_two_streams,
+        ),
+        (
+            "a chunked call with another total length fails every rank at once",
+            chunked_mismatch,
         ),
     ];
     // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain

@@ -26,8 +26,10 @@ use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+mod chunked;
 mod failures;
 
+use chunked::*;
 use failures::*;
 
 const SEED: u64 = 0x5eed_a2c0;
@@ -151,7 +153,19 @@ fn child() -> ExitCode {
         ("one rank configured differently", config_mismatch),
         ("one rank calls with another length", length_mismatch),
         ("one rank calls with another dtype", dtype_mismatch),
-        ("one rank's call is too long", too_long),
+        ("one rank refuses its call", one_rank_refuses),
+        (
+            "calls longer than one slot, every dtype, bit for bit",
+            chunked_lengths,
+        ),
+        (
+            "a chunked call gives the bits of one call",
+            chunked_same_bits,
+        ),
+        (
+            "one rank's chunked call has another total length",
+            chunked_length_mismatch,
+        ),
         (
             "a refusal is seen while another rank is silent (3+ ranks)",
             refusal_past_silence,

@@ -1,0 +1,257 @@
+//! Calls longer than one slot on the GPU side: one kernel launch per
+//! chunk of one slot on the caller's stream, eager and captured, next to
+//! calls on another stream; and ranks that disagree on the total length.
+
+use super::*;
+
+/// The slot of these cases (16 KiB: 4096 f32 per chunk), so that a few
+/// thousand elements make several chunks.
+const SMALL_SLOT: usize = 16 << 10;
+
+fn build_small(ctx: &Ctx, st: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
+    let arx = Arx::builder()
+        .device(DeviceKind::Gpu)
+        .staging(st)
+        .timeout(timeout)
+        .slot_bytes(SMALL_SLOT)
+        .build(ctx.world)
+        .map_err(e("Arx::new"))?;
+    let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
+    // As in `build`: only arx orders its calls here.
+    // SAFETY: no cudarc slice is shared between streams without the test
+    // synchronizing first.
+    unsafe { cuda.disable_event_tracking() };
+    let s = cuda.new_stream().map_err(e("new_stream"))?;
+    Ok((arx, s))
+}
+
+/// Lengths around the chunk `m`: 1, m−1, m, m+1, 2m+3, ~3.5m.
+fn chunk_lengths(m: usize) -> [usize; 6] {
+    [1, m - 1, m, m + 1, 2 * m + 3, 3 * m + m / 2 + 1]
+}
+
+fn chunked_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+) -> R<usize> {
+    let m = arx.max_count::<T>();
+    let mut calls = 0;
+    for (k, n) in chunk_lengths(m).into_iter().enumerate() {
+        for (j, how) in [
+            Placement::OutOfPlace,
+            Placement::InPlace,
+            Placement::Unaligned,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let call = 0xC_0000 | (T::DTYPE.code() as u64) << 12 | (k as u64) << 4 | j as u64;
+            checked_call::<T>(ctx, arx, s, call, n, how)
+                .map_err(|x| format!("chunk of {m}: {x}"))?;
+            calls += 1;
+        }
+    }
+    Ok(calls)
+}
+
+/// Every dtype at every length around the chunk, eager: out of place, in
+/// place and unaligned (every chunk then unaligned too: the scalar path);
+/// then ordinary calls on the same instance; then (not quick) one 16 MiB
+/// f32 call at the default slot (16 chunks of 1 MiB).
+pub(super) fn chunked_eager(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let b = chunked_of::<bf16>(ctx, &mut arx, &s)?;
+    let h = chunked_of::<f16>(ctx, &mut arx, &s)?;
+    let f = chunked_of::<f32>(ctx, &mut arx, &s)?;
+    checked_call::<f32>(ctx, &mut arx, &s, 0xC_F000, 100, Placement::OutOfPlace)
+        .map_err(|x| format!("an ordinary call after the chunked ones: {x}"))?;
+    checked_call::<bf16>(ctx, &mut arx, &s, 0xC_F001, 7, Placement::InPlace)
+        .map_err(|x| format!("an ordinary call after the chunked ones: {x}"))?;
+    drop(arx);
+    let big = if ctx.quick {
+        String::new()
+    } else {
+        let (mut arx, s) = build(ctx, st, Duration::from_secs(20))?;
+        let n = 4 << 20;
+        let (x, want) = call_data::<f32>(ctx, 0xC_F100, n);
+        let din = up(&s, &x)?;
+        let mut dout = poisoned::<f32>(&s, n)?;
+        arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+        arx.check().map_err(e("check"))?;
+        let got = down(&s, &dout)?;
+        ctx.fold(&got);
+        compare("16 MiB f32 call (16 chunks)", &got, &want)?;
+        format!(
+            "; one {n} x f32 call (16 MiB, {} chunks)",
+            n / arx.max_count::<f32>()
+        )
+    };
+    ctx.say(format!(
+        "bf16 {b}, f16 {h}, f32 {f} chunked calls bit-exact (chunks of {} f32; out of place, in place, unaligned){big}",
+        SMALL_SLOT / 4
+    ));
+    Ok(())
+}
+
+/// A chunked call (2m+3: three launches) captured into one graph and
+/// replayed with a new input before each replay; then one graph holding a
+/// chunked call and an ordinary one, replayed; then eager calls after the
+/// replays.
+pub(super) fn chunked_graph(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let replays = if ctx.quick { 5 } else { 50 };
+    let mb = arx.max_count::<bf16>();
+    graph_of::<bf16>(ctx, &mut arx, &s, replays, 2 * mb + 3, 0xD000_0000)?;
+    let mf = arx.max_count::<f32>();
+    graph_of::<f32>(ctx, &mut arx, &s, replays, 3 * mf + mf / 2 + 1, 0xD100_0000)?;
+
+    // One graph: a chunked f32 call, then an ordinary bf16 call.
+    let (n1, n2) = (2 * mf + 3, 1000);
+    let mut in1 = poisoned::<f32>(&s, n1)?;
+    let mut out1 = poisoned::<f32>(&s, n1)?;
+    let mut in2 = poisoned::<bf16>(&s, n2)?;
+    let mut out2 = poisoned::<bf16>(&s, n2)?;
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = arx
+        .allreduce(&in1, &mut out1, &s)
+        .and_then(|()| arx.allreduce(&in2, &mut out2, &s));
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(e("allreduce under capture"))?;
+    let g = g.ok_or("empty graph")?;
+    for i in 0..replays as u64 {
+        let (x1, w1) = wide_data::<f32>(ctx, 0xD200_0000 + 2 * i, n1);
+        let (x2, w2) = wide_data::<bf16>(ctx, 0xD200_0001 + 2 * i, n2);
+        s.memcpy_htod(&x1, &mut in1).map_err(e("htod"))?;
+        s.memcpy_htod(&x2, &mut in2).map_err(e("htod"))?;
+        poison_dev(&s, &mut out1)?;
+        poison_dev(&s, &mut out2)?;
+        g.launch().map_err(e("graph launch"))?;
+        let got1 = down(&s, &out1)?;
+        let got2 = down(&s, &out2)?;
+        arx.check().map_err(e("check"))?;
+        ctx.fold(&got1);
+        ctx.fold(&got2);
+        compare(&format!("replay {i}: chunked {n1} x f32"), &got1, &w1)?;
+        compare(&format!("replay {i}: then {n2} x bf16"), &got2, &w2)?;
+    }
+    // Eager calls after the replays (the device's call counter advanced by
+    // the chunks of every replay).
+    checked_call::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        0xD300_0000,
+        2 * mf + 3,
+        Placement::InPlace,
+    )?;
+    checked_call::<f16>(ctx, &mut arx, &s, 0xD300_0001, 99, Placement::OutOfPlace)?;
+    ctx.say(format!(
+        "{replays} replays each: a {}-chunk bf16 call, a 4-chunk f32 call, a graph of a 3-chunk f32 call and a 1000 x bf16 call; then eager calls",
+        (2 * mb + 3).div_ceil(mb)
+    ));
+    Ok(())
+}
+
+/// Chunked calls on stream B interleaved with ordinary calls on stream A,
+/// nothing ordering the streams but arx: all enqueued before any is
+/// checked, each with its own buffers.
+pub(super) fn chunked_two_streams(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, a) = build_small(ctx, st, Duration::from_secs(20))?;
+    let b = arx
+        .cuda_context()
+        .ok_or("no context")?
+        .new_stream()
+        .map_err(e("new_stream"))?;
+    let m = arx.max_count::<f32>();
+    let calls = 12u64;
+    let count = |c: u64| {
+        if c % 2 == 0 {
+            1000 + c as usize
+        } else {
+            3 * m + m / 2 + c as usize
+        }
+    };
+    let mut bufs = Vec::new();
+    for c in 0..calls {
+        let (x, _) = call_data::<f32>(ctx, 0xE000 + c, count(c));
+        let s = if c % 2 == 0 { &a } else { &b };
+        bufs.push((up(s, &x)?, poisoned::<f32>(s, count(c))?));
+    }
+    a.synchronize().map_err(e("sync"))?;
+    b.synchronize().map_err(e("sync"))?;
+    for (c, (din, dout)) in bufs.iter_mut().enumerate() {
+        let s = if c % 2 == 0 { &a } else { &b };
+        arx.allreduce(din, dout, s).map_err(e("allreduce"))?;
+    }
+    for (c, (_, dout)) in bufs.iter().enumerate() {
+        let s = if c % 2 == 0 { &a } else { &b };
+        let got = down(s, dout)?;
+        let (_, want) = call_data::<f32>(ctx, 0xE000 + c as u64, count(c as u64));
+        ctx.fold(&got);
+        compare(
+            &format!(
+                "call {c} of {calls} ({} x f32 on stream {})",
+                count(c as u64),
+                if c % 2 == 0 { "A" } else { "B (chunked)" }
+            ),
+            &got,
+            &want,
+        )?;
+    }
+    arx.check().map_err(e("check"))?;
+    ctx.say(format!(
+        "{calls} calls alternating: ordinary on stream A, 4-chunk on stream B, all bit-exact"
+    ));
+    Ok(())
+}
+
+/// The last rank's call has one chunk more than the others' (equal chunk
+/// counts: only the "more chunks follow" mark differs): every rank fails
+/// with `CallMismatch` well within the deadline, and the instance stays
+/// failed.
+pub(super) fn chunked_mismatch(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(4);
+    let last = ctx.n - 1;
+    let (mut arx, s) = build_small(ctx, st, timeout)?;
+    let m = arx.max_count::<f32>();
+    checked_call::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        0xF000_0001,
+        2 * m + 1,
+        Placement::OutOfPlace,
+    )?;
+    let n = if ctx.rank == last { 3 * m } else { 2 * m };
+    let din = up(&s, &verify::input::<f32>(SEED, 0xF000_0002, ctx.rank, n))?;
+    let mut dout = poisoned::<f32>(&s, n)?;
+    s.synchronize().map_err(e("sync"))?;
+    let t = Instant::now();
+    let r = arx
+        .allreduce(&din, &mut dout, &s)
+        .and_then(|()| arx.check());
+    let took = t.elapsed();
+    let msg = match &r {
+        Ok(()) => "no error".to_string(),
+        Err(x) => x.to_string(),
+    };
+    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= timeout / 2 {
+        return Err(format!(
+            "total-length mismatch not reported as CallMismatch within {:?} (after {took:.2?}): {msg}",
+            timeout / 2
+        ));
+    }
+    ctx.say(format!(
+        "rank 0 failed in {:.1} ms and says: {msg}",
+        took.as_secs_f64() * 1e3
+    ));
+    if arx.allreduce(&din, &mut dout, &s).is_ok() {
+        return Err("a failed instance accepted another call".into());
+    }
+    Ok(())
+}

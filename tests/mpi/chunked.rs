@@ -1,0 +1,173 @@
+//! Calls longer than one slot: split into chunks of one slot, each a
+//! one-shot call of its own. A small slot keeps these quick; lengths are
+//! derived from `max_count` (the chunk), so a larger page (aarch64) only
+//! makes the chunk larger.
+
+use super::*;
+
+/// Lengths around the chunk `m`: 1, m−1, m, m+1, 2m+3, ~3.5m, 10m+7.
+fn chunk_lengths(m: usize) -> Vec<usize> {
+    vec![1, m - 1, m, m + 1, 2 * m + 3, 3 * m + m / 2 + 1, 10 * m + 7]
+}
+
+/// The slot of these cases: one page (4 KiB here; the layout rounds up to
+/// the page, so it is the kernel's page on other machines).
+const SMALL_SLOT: usize = 4096;
+
+fn chunked_lengths_of<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    call: &mut u64,
+    in_place: bool,
+) -> Result<(), String> {
+    let m = arx.max_count::<T>();
+    for count in chunk_lengths(m) {
+        *call += 1;
+        checked::<T>(ctx, arx, *call, count, in_place)
+            .map_err(|e| format!("chunk of {m} elements: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Every dtype at every length around the chunk, out of place and in
+/// place, bit for bit against the independent reference; then a call of
+/// one slot or less on the same instance is right (the instance is not
+/// left out of step).
+pub(super) fn chunked_lengths(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder()
+        .slot_bytes(SMALL_SLOT)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let mut call = 5000;
+    for in_place in [false, true] {
+        chunked_lengths_of::<bf16>(ctx, &mut arx, &mut call, in_place)?;
+        chunked_lengths_of::<f16>(ctx, &mut arx, &mut call, in_place)?;
+        chunked_lengths_of::<f32>(ctx, &mut arx, &mut call, in_place)?;
+    }
+    // Ordinary calls after the chunked ones, and chunked ones after them.
+    checked::<f32>(ctx, &mut arx, 5100, 100, false)?;
+    checked::<bf16>(ctx, &mut arx, 5101, 3, true)?;
+    let m = arx.max_count::<f32>();
+    checked::<f32>(ctx, &mut arx, 5102, 2 * m + 3, false)?;
+    checked::<f16>(ctx, &mut arx, 5103, 77, false)
+}
+
+/// The same inputs (edge values: −0.0, NaN, ±Inf, subnormals, overflow)
+/// through an instance whose slot holds the whole call and one that splits
+/// it into chunks give the same bits, and both match the reference.
+pub(super) fn chunked_same_bits(ctx: &Ctx) -> Result<(), String> {
+    let mut small = builder()
+        .slot_bytes(SMALL_SLOT)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let mut whole = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let m = small.max_count::<f32>();
+    let count = 3 * m + 5;
+    if count > whole.max_count::<f32>() {
+        return Err(format!(
+            "the whole call ({count} x f32) does not fit the large slot"
+        ));
+    }
+    for (i, c) in [5200u64, 5201].into_iter().enumerate() {
+        let input = verify::input_edges::<f32>(SEED, c, ctx.rank, count);
+        let want = verify::expected_edges::<f32>(SEED, c, ctx.n, count);
+        let mut a = vec![0f32; count];
+        let mut b = vec![0f32; count];
+        verify::poison(&mut a);
+        verify::poison(&mut b);
+        if i == 0 {
+            small.allreduce_host(&input, &mut a)
+        } else {
+            a.copy_from_slice(&input);
+            small.allreduce_host_in_place(&mut a)
+        }
+        .map_err(|e| format!("chunked call {c}: {e}"))?;
+        whole
+            .allreduce_host(&input, &mut b)
+            .map_err(|e| format!("whole call {c}: {e}"))?;
+        let wrong = verify::count_wrong(&a, &want);
+        if wrong != 0 {
+            return Err(format!(
+                "chunked call {c}: {wrong} wrong against the reference"
+            ));
+        }
+        let differ = a
+            .iter()
+            .zip(&b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        if differ != 0 {
+            return Err(format!(
+                "call {c}: {differ} elements differ in their bits between the chunked and the whole call"
+            ));
+        }
+        same_everywhere(ctx, verify::digest(&a))?;
+    }
+    Ok(())
+}
+
+/// The last rank's call differs in total length from the others': every
+/// rank must fail with a call mismatch (naming the last rank, or on the
+/// last rank naming a peer), at once rather than by the call timeout, for:
+/// one chunk more at equal chunk counts (only the "more chunks follow"
+/// mark differs), a last chunk of another length, and an unchunked call
+/// against a chunked one. Each on a fresh instance (a failed one stays
+/// failed, which is checked too).
+pub(super) fn chunked_length_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let last = ctx.n - 1;
+    let probe = builder()
+        .slot_bytes(SMALL_SLOT)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let m = probe.max_count::<f32>();
+    drop(probe);
+    for (what, ours, odd) in [
+        ("one more chunk", 2 * m, 3 * m),
+        ("one chunk fewer", 3 * m, 2 * m),
+        ("another last chunk", 2 * m + 3, 2 * m + 5),
+        ("unchunked against chunked", m, 4 * m + 1),
+        ("empty against chunked", 0, m + 1),
+    ] {
+        let mut arx = builder()
+            .slot_bytes(SMALL_SLOT)
+            .build(ctx.world)
+            .map_err(|e| e.to_string())?;
+        // A chunked call that agrees first.
+        checked::<f32>(ctx, &mut arx, 5300, 2 * m + 1, false)?;
+        let count = if ctx.rank == last { odd } else { ours };
+        let input = verify::input::<f32>(SEED, 5301, ctx.rank, count);
+        let mut out = vec![0f32; count];
+        verify::poison(&mut out);
+        let t = Instant::now();
+        let r = arx.allreduce_host(&input, &mut out);
+        let waited = t.elapsed();
+        expect_err(what, r, |e| match e {
+            Error::CallMismatch {
+                peer, ours, theirs, ..
+            } => {
+                let named = if ctx.rank == last {
+                    *peer != last
+                } else {
+                    *peer == last
+                };
+                named
+                    && ours != theirs
+                    && ours.kind == CallKind::Reduce(Dtype::F32)
+                    && theirs.kind == CallKind::Reduce(Dtype::F32)
+            }
+            _ => false,
+        })?;
+        if waited > arx.config().timeout / 2 {
+            return Err(format!(
+                "{what}: the mismatch took {waited:?} (call timeout {:?}): found by a timeout, not at once",
+                arx.config().timeout
+            ));
+        }
+        expect_err(
+            &format!("{what}: a call after the failure"),
+            arx.allreduce_host(&[1.0f32], &mut [0f32]),
+            |e| matches!(e, Error::CallMismatch { .. }),
+        )?;
+    }
+    Ok(())
+}
