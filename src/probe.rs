@@ -111,7 +111,14 @@ impl ProbeOptions {
     /// over the fields), carried in every probe word.
     pub(crate) fn digest(&self, big: usize) -> u32 {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        let fields = [self.iters, self.warmup, big, self.writes, self.bw_runs, self.sizes.len()];
+        let fields = [
+            self.iters,
+            self.warmup,
+            big,
+            self.writes,
+            self.bw_runs,
+            self.sizes.len(),
+        ];
         for v in fields.iter().chain(self.sizes.iter()) {
             for b in (*v as u64).to_le_bytes() {
                 h ^= u64::from(b);

@@ -63,7 +63,10 @@ fn probe_words_lie_between_the_flags_and_the_send_slots() {
             for src in 0..world {
                 let o = l.probe_offset(src);
                 assert_eq!(o % 8, 0);
-                assert!(!flags.contains(&o), "world {world}: probe word {src} in the flags");
+                assert!(
+                    !flags.contains(&o),
+                    "world {world}: probe word {src} in the flags"
+                );
                 assert!(o >= flags.end, "world {world}");
                 assert!(
                     o + 8 <= l.send_offset(0),
@@ -77,8 +80,14 @@ fn probe_words_lie_between_the_flags_and_the_send_slots() {
     // Up to 102 ranks, flags and probe words share one 4 KiB page (the
     // layout of smaller jobs is unchanged); 128 ranks fill a page with
     // flags alone, so the probe words take the next one.
-    assert_eq!(Layout::with_page(102, 0, 1, 4096).unwrap().send_offset(0), 2 * 4096);
-    assert_eq!(Layout::with_page(128, 0, 1, 4096).unwrap().send_offset(0), 3 * 4096);
+    assert_eq!(
+        Layout::with_page(102, 0, 1, 4096).unwrap().send_offset(0),
+        2 * 4096
+    );
+    assert_eq!(
+        Layout::with_page(128, 0, 1, 4096).unwrap().send_offset(0),
+        3 * 4096
+    );
 }
 
 #[test]

@@ -120,11 +120,7 @@ fn open_local(
 
 /// This rank's route plan, and every rank's device names (for `describe`
 /// and the rail probe). Collective.
-fn plan_routes(
-    boot: &Bootstrap,
-    sel: &Selection,
-    me: usize,
-) -> Result<(Plan, Vec<Vec<String>>)> {
+fn plan_routes(boot: &Bootstrap, sel: &Selection, me: usize) -> Result<(Plan, Vec<Vec<String>>)> {
     let all = boot.all_gather_bytes("verbs routes", &sel.ports().encode())?;
     let planned = (|| {
         let recs = all
