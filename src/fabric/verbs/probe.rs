@@ -55,10 +55,8 @@ impl VerbsFabric {
         let world = self.layout.world();
         // A neighbour's partial this rank still has to forward reads its
         // receive slot, which a probe may overwrite: forward it, and let
-        // every write of the last call complete, before any handshake.
-        if !self.relays.is_empty() {
-            self.forward()?;
-        }
+        // every write of the last call complete, before any handshake. (Its
+        // flag is here: this rank's last call needed that partial too.)
         self.probe_drain(None)?;
         let digest = opts.digest(big);
         let mut out = Vec::new();
@@ -99,6 +97,7 @@ impl VerbsFabric {
                 });
             }
         }
+        self.probe_drain(None)?;
         out.sort_by_key(|p| (p.peer, p.rail, p.lane));
         Ok(out)
     }
@@ -337,34 +336,39 @@ impl VerbsFabric {
         Ok(())
     }
 
-    /// Waits (bounded) until every write on `at`'s QP (None: on every QP)
-    /// has completed.
+    /// Waits (bounded) until every write on `at`'s QP has completed (None:
+    /// on every QP, running the proxy's progress meanwhile: a forward still
+    /// due for a relay is posted, an unsignalled tail of the last call is
+    /// flushed, a stalled QP kicked).
     fn probe_drain(&mut self, at: Option<At>) -> Result<()> {
         let start = Instant::now();
+        let mut kicked = start;
         let mut backoff = Backoff::new(crate::config::SpinMode::Adaptive, PROBE_HOT_SPINS);
         loop {
-            let busy = match at {
-                Some(at) => self.links[at.i].ledger.outstanding() > 0,
-                None => !crate::fabric::Fabric::quiescent(self),
-            };
-            if !busy {
-                if at.is_none() {
-                    self.probe_last = None;
+            match at {
+                None => {
+                    crate::fabric::Fabric::progress(self)?;
+                    if crate::fabric::Fabric::quiescent(self) {
+                        self.probe_last = None;
+                        return Ok(());
+                    }
                 }
-                return Ok(());
-            }
-            let reaped = self.reap();
-            if let Err(e) = reaped {
-                return Err(match at {
-                    Some(at) => self.probe_err(at, e),
-                    None => e,
-                });
+                Some(at) => {
+                    self.reap().map_err(|e| self.probe_err(at, e))?;
+                    if self.links[at.i].ledger.outstanding() == 0 {
+                        return Ok(());
+                    }
+                    if kicked.elapsed() > KICK_AFTER {
+                        kicked = Instant::now();
+                        self.probe_kick()?;
+                    }
+                }
             }
             if start.elapsed() > self.timeout {
                 return Err(match at {
                     Some(at) => self.probe_timeout(at, start.elapsed(), "its writes to complete"),
                     None => Error::Timeout {
-                        during: "rail probe (completing the last call's writes first)",
+                        during: "rail probe (completing every write posted before it)",
                         waited: start.elapsed(),
                         detail: "writes of this rank are still outstanding; are the peers \
                                  alive and their links up?"
