@@ -2,10 +2,18 @@
 //! for the schedule and what is measured).
 //!
 //! Probe words are `digest << 32 | n`: `n` counts the words exchanged with
-//! that peer (both ends count alike, [`VerbsFabric::probe_words`]; words
-//! strictly alternate, so a word never overtakes the one it answers), the
+//! that peer (both ends count alike, [`VerbsFabric::probe_words`]), the
 //! digest is the options' ([`ProbeOptions::digest`]), so ranks called with
 //! different options fail at the first handshake naming each other.
+//!
+//! A waiter accepts any word at or past the one it expects: words mostly
+//! alternate, but the last word of one queue pair's exchange and the first
+//! of the next can come from the same rank back to back (the pinger
+//! answers the last bandwidth run, then opens the next handshake), and the
+//! second then overwrites the first, possibly before the peer read it.
+//! Words to a peer land in the order they are sent: one queue pair's in
+//! RC order, and a rank lets every write on a queue pair complete before
+//! it moves to the next; so a word never goes back to an older one.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -262,7 +270,10 @@ impl VerbsFabric {
             // landed; the probe does not read it, but the next call may
             // overwrite it only after.
             let w = self.region.u64_at(off).load(Ordering::Acquire);
-            if w & 0xffff_ffff == want {
+            // At or past `want` (mod 2^32; the region starts at 0, before
+            // the first word 1).
+            let ahead = (w as u32).wrapping_sub(want as u32);
+            if w != 0 && ahead < 1 << 31 {
                 if (w >> 32) as u32 != at.digest {
                     return Err(Error::PeerFailed {
                         peer: at.peer,
