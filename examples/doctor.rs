@@ -25,9 +25,14 @@
 //! next to them, so one sees at once whether arx is near the wire:
 //!
 //! ```text
-//! rail to rank 1 0/0: rxe0 -> rxe0: 8 B one-way 212.4 µs (p99 801.0), 8 KiB 390.2 µs, 0.081 GB/s
-//! all-reduce, 2 ranks, median: 8 B 1204.1 µs, 8 KiB 1530.7 µs (host buffers)
+//! rail to rank 1 0/0: rxe0 -> rxe0: 8 B one-way 95.4 µs (p99 1788.3), 8 KiB 629.5 µs, 0.020 GB/s
+//! all-reduce, 2 ranks, median: 8 B 4292.6 µs, 8 KiB 14809.1 µs (host buffers)
 //! ```
+//!
+//! (soft-RoCE under qemu emulation in CI's VM: the format, not the speed;
+//! see docs/BENCHMARKS.md, "Rails vs the collective"). The probe is
+//! collective, needs no call in flight, and lands its data in the peers'
+//! receive slots (see `arx::probe`).
 //!
 //! Lines starting `warning:` flag what costs speed but works (a path MTU
 //! below 4096, a rail whose two lanes share one device, a PCIe link
