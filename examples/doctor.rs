@@ -14,6 +14,31 @@
 //! by `arx::topology::check_memlock`, the GPU probe `arx::gpu_available` and,
 //! per device, `arx::gpu_platform` (integrated or not, and what arx chose), and
 //! calls checked against the independent reference of `arx::verify`.
+//!
+//! On the Verbs fabric it then prints the route to every peer (from the
+//! fabric's own description) and measures every rail with
+//! `Arx::probe_rails` (`--no-probe` skips it): per peer, rail and lane, the
+//! one-way latency of an 8 B and an 8 KiB RDMA write (half the median and
+//! p99 round trip of a ping-pong over exactly that queue pair, as
+//! `ib_write_lat`) and the bandwidth of back-to-back writes (as
+//! `ib_write_bw`), then the all-reduce's own median time at 8 B and 8 KiB
+//! next to them, so one sees at once whether arx is near the wire:
+//!
+//! ```text
+//! rail to rank 1 0/0: rxe0 -> rxe0: 8 B one-way 95.4 µs (p99 1788.3), 8 KiB 629.5 µs, 0.020 GB/s
+//! all-reduce, 2 ranks, median: 8 B 4292.6 µs, 8 KiB 14809.1 µs (host buffers)
+//! ```
+//!
+//! (soft-RoCE under qemu emulation in CI's VM: the format, not the speed;
+//! see docs/BENCHMARKS.md, "Rails vs the collective"). The probe is
+//! collective, needs no call in flight, and lands its data in the peers'
+//! receive slots (see `arx::probe`).
+//!
+//! Lines starting `warning:` flag what costs speed but works (a path MTU
+//! below 4096, a rail whose two lanes share one device, a PCIe link
+//! trained narrower than it can be); they are counted apart from problems
+//! and do not fail the run. A GID index that differs between ranks is a
+//! `note:` only: arx resolves the GID per device.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -45,6 +70,18 @@ struct Args {
     /// Only report; skip the all-reduce.
     #[arg(long)]
     no_allreduce: bool,
+    /// Skip the rail probe (Verbs fabric only).
+    #[arg(long)]
+    no_probe: bool,
+    /// Timed round trips per size and lane of the rail probe.
+    #[arg(long, default_value_t = 1000)]
+    probe_iters: usize,
+    /// Bytes per bandwidth write of the probe (0: the slot, at most 1 MiB).
+    #[arg(long, default_value_t = 0)]
+    probe_bw_bytes: usize,
+    /// Writes per bandwidth run of the probe.
+    #[arg(long, default_value_t = 32)]
+    probe_writes: usize,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy)]
@@ -69,6 +106,7 @@ impl std::fmt::Display for DtypeArg {
 struct Report {
     text: String,
     problems: Vec<String>,
+    warnings: usize,
 }
 
 impl Report {
@@ -79,6 +117,11 @@ impl Report {
         let s = s.into();
         self.line(format!("  PROBLEM: {s}"));
         self.problems.push(s);
+    }
+    /// Costs speed, works: counted apart, does not fail the run.
+    fn warning(&mut self, s: impl AsRef<str>) {
+        self.line(format!("warning: {}", s.as_ref()));
+        self.warnings += 1;
     }
 }
 
@@ -162,6 +205,12 @@ fn this_rank(r: &mut Report, cfg: &Config, local: &LocalRank) -> (bool, Option<S
     ));
     if let Some(why) = sel.notes.iter().find(|n| n.starts_with("proxy CPU")) {
         r.line(format!("  because: {why}"));
+    }
+    // A narrow PCIe link (a Spark's second root at x2 on old firmware),
+    // lane MTUs that differ, ...: shown among the topology notes, counted
+    // here.
+    for w in sel.warnings() {
+        r.warning(w.trim_start_matches("warning: "));
     }
     (!sel.single_device(), None)
 }
@@ -266,6 +315,10 @@ struct Outcome {
     first_wrong: Option<String>,
     /// Digest of every call's result, folded.
     digest: u64,
+    /// The rail probe (None: not run) and the all-reduce's median time
+    /// per probed size, with its wrong elements.
+    probe: Option<Result<Vec<arx::RailProbe>, String>>,
+    coll: Vec<(usize, Duration, usize)>,
 }
 
 /// Runs `iters` calls on seeded inputs (`arx::verify::input`, call numbers
@@ -284,6 +337,8 @@ fn run_calls<T: Element>(arx: &mut Arx, args: &Args, count: usize) -> arx::Resul
         wrong: 0,
         first_wrong: None,
         digest: 0,
+        probe: None,
+        coll: Vec::new(),
     };
     for call in 1..=args.iters as u64 {
         let input = verify::input::<T>(args.seed, call, me, count);
@@ -320,6 +375,9 @@ fn allreduce(world: &SimpleCommunicator, args: &Args) -> arx::Result<Outcome> {
         DtypeArg::F16 => run_calls::<f16>(&mut arx, args, args.count)?,
     };
     let d = arx.describe();
+    if d.fabric == "verbs" && !args.no_probe {
+        probe(&mut arx, args, &mut o);
+    }
     o.desc = format!(
         "{} device side, {} fabric: {}",
         d.device, d.fabric, d.fabric_detail
@@ -327,6 +385,151 @@ fn allreduce(world: &SimpleCommunicator, args: &Args) -> arx::Result<Outcome> {
     o.fabric = d.fabric;
     o.setup = setup;
     Ok(o)
+}
+
+/// Probe sizes: 8 B and 8 KiB (what fits the slot).
+fn probe_sizes(arx: &Arx) -> Vec<usize> {
+    let slot = arx.describe().slot_bytes;
+    [8, 8192].into_iter().filter(|&s| s <= slot).collect()
+}
+
+/// The rail probe, then the all-reduce's median time at the probed sizes
+/// (f32, back to back, each output checked).
+fn probe(arx: &mut Arx, args: &Args, o: &mut Outcome) {
+    let opts = arx::ProbeOptions {
+        sizes: probe_sizes(arx),
+        iters: args.probe_iters.max(1),
+        warmup: (args.probe_iters / 10).max(1),
+        bw_bytes: args.probe_bw_bytes,
+        writes: args.probe_writes.max(1),
+        ..Default::default()
+    };
+    o.probe = Some(arx.probe_rails(&opts).map_err(|e| e.to_string()));
+    if !matches!(o.probe, Some(Ok(_))) {
+        return;
+    }
+    let (me, world) = (arx.rank(), arx.world());
+    let iters = args.probe_iters.clamp(10, 200);
+    for bytes in opts.sizes {
+        let count = (bytes / 4).max(1);
+        let mut times = Vec::with_capacity(iters);
+        let mut out = vec![0.0f32; count];
+        let mut wrong = 0;
+        for call in 0..iters as u64 + 5 {
+            let input = verify::input::<f32>(args.seed ^ 0x9e37, call, me, count);
+            let want = verify::expected::<f32>(args.seed ^ 0x9e37, call, world, count);
+            verify::poison(&mut out);
+            let t = Instant::now();
+            if let Err(e) = arx.allreduce_host(&input, &mut out) {
+                o.probe = Some(Err(format!("all-reduce of {bytes} B after the probe: {e}")));
+                return;
+            }
+            if call >= 5 {
+                times.push(t.elapsed());
+            }
+            wrong += verify::count_wrong(&out, &want);
+        }
+        times.sort();
+        o.coll.push((bytes, times[times.len() / 2], wrong));
+    }
+}
+
+fn size(b: usize) -> String {
+    if b >= 1024 && b % 1024 == 0 {
+        format!("{} KiB", b / 1024)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn micros(d: Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1e6)
+}
+
+/// One line per rail and lane, the all-reduce's time next to them, and
+/// the pain points the probe shows.
+fn print_probe(r: &mut Report, o: &Outcome, n: usize) {
+    let rails = match &o.probe {
+        None => return,
+        Some(Err(e)) => {
+            r.problem(format!("rail probe failed: {e}"));
+            return;
+        }
+        Some(Ok(p)) => p,
+    };
+    for p in rails {
+        if let Some(via) = p.relayed_by {
+            r.line(format!(
+                "rail to rank {}: none, relayed by rank {via} (no direct link; not probed)",
+                p.peer
+            ));
+            continue;
+        }
+        let mut t = format!(
+            "rail to rank {} {}/{}: {} -> {}:",
+            p.peer, p.rail, p.lane, p.device, p.peer_device
+        );
+        for (k, l) in p.latency.iter().enumerate() {
+            let sep = if k == 0 { " " } else { ", " };
+            let _ = write!(t, "{sep}{} ", size(l.bytes));
+            if k == 0 {
+                let _ = write!(t, "one-way {} µs (p99 {})", micros(l.median), micros(l.p99));
+            } else {
+                let _ = write!(t, "{} µs", micros(l.median));
+            }
+        }
+        if let Some(b) = &p.bandwidth {
+            let _ = write!(t, ", {:.3} GB/s", b.gbps);
+        }
+        r.line(t);
+    }
+    if !o.coll.is_empty() {
+        let times: Vec<String> = o
+            .coll
+            .iter()
+            .map(|(b, t, _)| format!("{} {} µs", size(*b), micros(*t)))
+            .collect();
+        r.line(format!(
+            "all-reduce, {n} ranks, median: {} (host buffers)",
+            times.join(", ")
+        ));
+        for (b, _, wrong) in &o.coll {
+            if *wrong > 0 {
+                r.problem(format!(
+                    "all-reduce of {} after the probe: {wrong} wrong elements: a bug; report this output",
+                    size(*b)
+                ));
+            }
+        }
+    }
+    // Pain points, once per rail (both lanes) or lane.
+    for p in rails.iter().filter(|p| p.relayed_by.is_none()) {
+        if p.path_mtu < 4096 {
+            r.warning(format!(
+                "rail to rank {} {}/{}: path MTU {} (a netdev MTU of 1500 gives RoCE 1024): set the netdev MTU to 4200 on every node",
+                p.peer, p.rail, p.lane, p.path_mtu
+            ));
+        }
+        if p.lane == 0 {
+            if let Some(l1) = rails
+                .iter()
+                .find(|x| x.peer == p.peer && x.rail == p.rail && x.lane == 1)
+            {
+                if l1.device == p.device || l1.peer_device == p.peer_device {
+                    r.warning(format!(
+                        "rail to rank {} {}: both lanes share one device ({} -> {}): about half the bandwidth; give both PCIe functions of the port an address in the link's subnet (on both nodes)",
+                        p.peer, p.rail, p.device, p.peer_device
+                    ));
+                }
+            }
+        }
+        if p.gid_index != p.peer_gid_index {
+            r.line(format!(
+                "note: rail to rank {} {}/{}: GID index {} here, {} on rank {} ({}): fine, arx resolves the GID per device",
+                p.peer, p.rail, p.lane, p.gid_index, p.peer_gid_index, p.peer, p.peer_device
+            ));
+        }
+    }
 }
 
 fn us(d: Duration) -> String {
@@ -411,6 +614,7 @@ fn main() -> ExitCode {
                 // What arx chose, where it differs from the guess above.
                 verbs = o.fabric == "verbs";
                 r.line(format!("arx: {}", o.desc));
+                print_probe(&mut r, &o, n);
                 r.line(format!(
                     "  set-up took {:.1} ms",
                     o.setup.as_secs_f64() * 1e3
@@ -465,11 +669,15 @@ fn main() -> ExitCode {
         Some(_) => r.line("note: no RDMA lanes, which the shm fabric does not need"),
         None => {}
     }
+    let warnings = match r.warnings {
+        0 => String::new(),
+        w => format!(" ({w} warning(s): see the lines starting `warning:`)"),
+    };
     if r.problems.is_empty() {
-        r.line("doctor: no problem found");
+        r.line(format!("doctor: no problem found{warnings}"));
     } else {
         r.line(format!(
-            "doctor: {} problem(s); fix them as described above",
+            "doctor: {} problem(s); fix them as described above{warnings}",
             r.problems.len()
         ));
     }

@@ -230,6 +230,7 @@ mod error;
 mod establish;
 mod fabric;
 mod layout;
+pub mod probe;
 mod protocol;
 mod proxy;
 mod spin;
@@ -256,6 +257,7 @@ pub use device::platform::{GpuAttrs, GpuPlatform, RegionAlloc};
 pub use dtype::{CallDesc, CallKind, Dtype, Element};
 pub use error::{Error, Result};
 pub use layout::Layout;
+pub use probe::{Bandwidth, Latency, ProbeOptions, RailProbe};
 pub use wire::PeerInfo;
 
 use bootstrap::Bootstrap;
@@ -363,6 +365,27 @@ impl Arx {
     #[doc(hidden)]
     pub fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
         self.proxy.inject_fault(peer, lane)
+    }
+
+    /// Measures every rail and lane to every directly linked peer over the
+    /// queue pair the all-reduce uses there: one-way write latency per
+    /// size (half the median and p99 round trip of a ping-pong, as
+    /// `ib_write_lat`) and the bandwidth of back-to-back writes (as
+    /// `ib_write_bw`); peers reached through a relay are listed as such,
+    /// unmeasured. See [`probe`] for the schedule.
+    ///
+    /// Collective: every rank calls it, between the same two calls, with
+    /// the same options (a difference fails naming the peer). Only while no
+    /// call is in flight: on a GPU instance it synchronizes first (as
+    /// [`Arx::check`]), but a graph replayed on a stream of your own must
+    /// have finished on every rank. The data lands in the peers' receive
+    /// slots, which every call writes before reading. Each wait is bounded
+    /// by the call timeout; a failure (a timeout, a verbs error naming peer,
+    /// rail, lane and device) fails the instance as a failed call does.
+    /// The Shm fabric has no rails: [`Error::Unavailable`].
+    pub fn probe_rails(&mut self, opts: &ProbeOptions) -> Result<Vec<RailProbe>> {
+        self.device.check()?;
+        self.proxy.probe_rails(opts)
     }
 
     /// A barrier over the instance's private communicator, bounded by the

@@ -311,6 +311,32 @@ impl Proxy {
             .inject_fault(peer, lane)
     }
 
+    /// The rail probe ([`Fabric::probe_rails`]) under the engine lock, so
+    /// that the proxy thread posts and reaps nothing meanwhile. Posts what
+    /// was published first; refuses while a call is still in flight (not
+    /// done on this rank) or after the proxy recorded an error.
+    pub fn probe_rails(
+        &self,
+        opts: &crate::probe::ProbeOptions,
+    ) -> Result<Vec<crate::probe::RailProbe>> {
+        self.shared.pump(true);
+        if let Some(e) = self.shared.error() {
+            return Err(e);
+        }
+        let mut g = self.shared.engine.lock().unwrap_or_else(|e| e.into_inner());
+        let published = protocol::published(&*self.shared.region);
+        // Acquire: pairs with the device side's release of `done`.
+        let done = self.shared.region.ctrl().done().load(Ordering::Acquire);
+        if g.posted < published || done < published {
+            return Err(Error::InvalidArgument(format!(
+                "probe_rails while call {published} is in flight (posted through {}, done \
+                 through {done}): synchronize the streams of every call first",
+                g.posted
+            )));
+        }
+        g.fabric.probe_rails(opts)
+    }
+
     /// True when the fabric wants a collective close (see [`Fabric`]).
     pub fn needs_collective_close(&self) -> bool {
         self.shared

@@ -13,7 +13,13 @@
 //! `ARX_DEVICE` say. `ARX_TEST_DRILLS=leave,break-qp` runs only the drills
 //! named (each one not run is listed as NOT RUN).
 //!
-//! Both drills start with one call checked against the independent
+//! * **the rail probe** (call timeout 30 s): `Arx::probe_rails` between
+//!   two calls must list every peer, every directly linked one with
+//!   positive latencies for each size and a positive bandwidth on each
+//!   rail and lane, and the two calls after it (both parities; the probe
+//!   wrote into receive slot 0) must be exact.
+//!
+//! Every drill starts with one call checked against the independent
 //! reference of `arx::verify` (seeded per-rank inputs, poisoned output,
 //! digests equal on every rank), then:
 //!
@@ -47,7 +53,7 @@ const SEED: u64 = 0x5eed_0b5e;
 const CULPRIT: usize = 1;
 
 /// The drills: name (for `ARX_TEST_DRILL`), what it shows, its function.
-const DRILLS: [(&str, &str, Drill); 2] = [
+const DRILLS: [(&str, &str, Drill); 3] = [
     (
         "leave",
         "a rank leaves: every other rank fails within the timeout",
@@ -57,6 +63,11 @@ const DRILLS: [(&str, &str, Drill); 2] = [
         "break-qp",
         "a rank breaks a QP: it fails with a verbs error, every other rank at once naming it",
         break_qp,
+    ),
+    (
+        "probe",
+        "the rail probe measures every peer's rails and later calls stay exact",
+        probe,
     ),
 ];
 
@@ -357,4 +368,75 @@ fn break_qp(world: &SimpleCommunicator) -> Result<String, String> {
             "unexpected outcome after {took:?} (timeout {timeout:?}): {e}"
         )),
     }
+}
+
+/// One good call, the rail probe, then two more checked calls.
+fn probe(world: &SimpleCommunicator) -> Result<String, String> {
+    let (mut arx, count) = after_one_good_call(world, Duration::from_secs(30))?;
+    let me = arx.rank();
+    let opts = arx::ProbeOptions {
+        sizes: vec![8, 4096],
+        iters: 20,
+        warmup: 5,
+        bw_bytes: 65536,
+        writes: 8,
+        bw_runs: 1,
+    };
+    let found = arx
+        .probe_rails(&opts)
+        .map_err(|e| format!("probe_rails failed: {e}"))?;
+    for q in (0..arx.world()).filter(|&q| q != me) {
+        let rails: Vec<_> = found.iter().filter(|p| p.peer == q).collect();
+        if rails.is_empty() {
+            return Err(format!("no probe result for rank {q}: {found:?}"));
+        }
+        for p in rails.iter().filter(|p| p.relayed_by.is_none()) {
+            let lat_ok = p.latency.len() == opts.sizes.len()
+                && p.latency
+                    .iter()
+                    .all(|l| l.samples == opts.iters && !l.median.is_zero() && l.p99 >= l.median);
+            let bw_ok = p.bandwidth.as_ref().is_some_and(|b| b.gbps > 0.0);
+            if !lat_ok || !bw_ok || p.device.is_empty() || p.peer_device.is_empty() {
+                return Err(format!("implausible probe result: {p:?}"));
+            }
+        }
+        for lane in 0..2 {
+            if !rails
+                .iter()
+                .any(|p| p.relayed_by.is_some() || p.lane == lane)
+            {
+                return Err(format!("rank {q}: lane {lane} not probed: {rails:?}"));
+            }
+        }
+    }
+    let mut out = vec![0.0f32; count];
+    for call in 2..=3 {
+        let input = next_input(&arx, call, count);
+        verify::poison(&mut out);
+        arx.allreduce_host(&input, &mut out)
+            .map_err(|e| format!("call {call} after the probe failed: {e}"))?;
+        let want = verify::expected::<f32>(SEED, call, arx.world(), count);
+        let wrong = verify::count_wrong(&out, &want);
+        if wrong != 0 {
+            return Err(format!(
+                "call {call} after the probe: {wrong} wrong elements"
+            ));
+        }
+    }
+    let first = found.iter().find(|p| p.relayed_by.is_none());
+    Ok(format!(
+        "{} rail/lane result(s), calls after it exact; e.g. {}",
+        found.len(),
+        first.map_or("none".into(), |p| format!(
+            "rank {} rail {} lane {} {} -> {}: {:?} one-way at {} B, {:.3} GB/s",
+            p.peer,
+            p.rail,
+            p.lane,
+            p.device,
+            p.peer_device,
+            p.latency[0].median,
+            p.latency[0].bytes,
+            p.bandwidth.as_ref().map_or(0.0, |b| b.gbps)
+        ))
+    ))
 }

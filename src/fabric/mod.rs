@@ -50,6 +50,20 @@ pub(crate) trait Fabric: Send {
             ),
         })
     }
+    /// Measures every rail and lane to every directly linked peer (see
+    /// [`crate::probe`]). Collective; only while no call is in flight (the
+    /// proxy holds the engine lock throughout, so nothing is posted
+    /// meanwhile).
+    fn probe_rails(
+        &mut self,
+        opts: &crate::probe::ProbeOptions,
+    ) -> Result<Vec<crate::probe::RailProbe>> {
+        let _ = opts;
+        Err(crate::error::Error::Unavailable {
+            what: "rail probe",
+            reason: format!("no rails: the {} fabric has none", self.name()),
+        })
+    }
     /// True when tearing down this rank's endpoints could fail a peer's
     /// sends still awaiting acknowledgement (RC queue pairs): the instance
     /// then closes collectively (drain, barrier, destroy).

@@ -370,6 +370,16 @@ impl Fabric for ShmFabric {
         true
     }
 
+    fn probe_rails(
+        &mut self,
+        _opts: &crate::probe::ProbeOptions,
+    ) -> Result<Vec<crate::probe::RailProbe>> {
+        Err(crate::error::Error::Unavailable {
+            what: "rail probe",
+            reason: "no rails: shared memory (every rank on one node)".into(),
+        })
+    }
+
     fn describe(&self) -> String {
         format!(
             "shm segment {} (unlinked), {} ranks x {} bytes",

@@ -2,8 +2,15 @@
 //! else) and the small amount of `unsafe` needed to touch it.
 //!
 //! ```text
-//! ctrl  | flags[2][world][2] | send[2][slot] | recv[2][world][slot]
+//! ctrl  | flags[2][world][2] probe[world] | send[2][slot] | recv[2][world][slot]
 //! ```
+//!
+//! `probe[src]` (8 bytes per rank, after the flag array in the same
+//! section) is the word `src` writes when [`Arx::probe_rails`] measures a
+//! rail; only the host reads it, never a kernel, so it is not part of the
+//! kernel ABI ([`Layout::probe_offset`]).
+//!
+//! [`Arx::probe_rails`]: crate::Arx::probe_rails
 //!
 //! Each section starts on a page, every slot and the region's size are
 //! whole pages: the page the kernel reports (`sysconf(_SC_PAGESIZE)`: 4 KiB
@@ -169,7 +176,8 @@ impl Layout {
         let slot = align_up(slot_bytes, align);
         let flags_off = align_up(CTRL_BYTES, align);
         let flags_bytes = PARITIES * world * LANES * 8;
-        let send_off = align_up(flags_off + flags_bytes, align);
+        // The probe words follow the flags in their section.
+        let send_off = align_up(flags_off + flags_bytes + world * 8, align);
         let recv_off = send_off + PARITIES * slot;
         let region = recv_off
             .checked_add(
@@ -238,6 +246,18 @@ impl Layout {
     /// Offset of the flags section.
     pub fn flags_offset(&self) -> usize {
         self.raw.flags_off as usize
+    }
+    /// Offset of the 8-byte word `src` writes into this region when
+    /// [`Arx::probe_rails`](crate::Arx::probe_rails) measures a rail:
+    /// after the flag array, before the send slots, so that neither the
+    /// protocol's flag checks nor a relay (which read the flags) ever see
+    /// it. Not part of the kernel ABI (no kernel reads it).
+    pub fn probe_offset(&self, src: usize) -> usize {
+        debug_assert!(src < self.world());
+        let off = self.flags_offset() + self.flags_bytes() + src * 8;
+        // `with_page` leaves room for `world` words before the send slots.
+        debug_assert!(off + 8 <= self.raw.send_off as usize);
+        off
     }
 
     /// The peers in the order this rank visits them: `rank+1, rank+2, …`

@@ -55,6 +55,43 @@ fn sections_are_disjoint_and_aligned() {
 }
 
 #[test]
+fn probe_words_lie_between_the_flags_and_the_send_slots() {
+    for page in [4096, 65536] {
+        for world in [1, 2, 3, 101, 102, 103, 127, 128, 129, 256] {
+            let l = Layout::with_page(world, 0, 4096, page).unwrap();
+            let flags = l.flags_offset()..l.flags_offset() + l.flags_bytes();
+            let mut seen = std::collections::HashSet::new();
+            for src in 0..world {
+                let o = l.probe_offset(src);
+                assert_eq!(o % 8, 0);
+                assert!(
+                    !flags.contains(&o),
+                    "world {world}: probe word {src} in the flags"
+                );
+                assert!(o >= flags.end, "world {world}");
+                assert!(
+                    o + 8 <= l.send_offset(0),
+                    "world {world}, page {page}: probe word {src} at {o} reaches the send slot at {}",
+                    l.send_offset(0)
+                );
+                assert!(seen.insert(o));
+            }
+        }
+    }
+    // Up to 102 ranks, flags and probe words share one 4 KiB page (the
+    // layout of smaller jobs is unchanged); 128 ranks fill a page with
+    // flags alone, so the probe words take the next one.
+    assert_eq!(
+        Layout::with_page(102, 0, 1, 4096).unwrap().send_offset(0),
+        2 * 4096
+    );
+    assert_eq!(
+        Layout::with_page(128, 0, 1, 4096).unwrap().send_offset(0),
+        3 * 4096
+    );
+}
+
+#[test]
 fn a_64k_page_layout_in_numbers() {
     // 3 ranks, a 1-byte slot: control block, flags and every slot each
     // take one 64 KiB page.

@@ -142,8 +142,9 @@ pub(super) fn with_gid_drift(e: Error, dev: &topology::LaneDevice, cfg: &Config)
     }
 }
 
-/// Every rank's device record, and this rank's route plan. Collective.
-fn plan_routes(boot: &Bootstrap, sel: &Selection, me: usize) -> Result<Plan> {
+/// This rank's route plan, and every rank's device names (for `describe`
+/// and the rail probe). Collective.
+fn plan_routes(boot: &Bootstrap, sel: &Selection, me: usize) -> Result<(Plan, Vec<Vec<String>>)> {
     let all = boot.all_gather_bytes("verbs routes", &sel.ports().encode())?;
     let planned = (|| {
         let recs = all
@@ -151,16 +152,20 @@ fn plan_routes(boot: &Bootstrap, sel: &Selection, me: usize) -> Result<Plan> {
             .enumerate()
             .map(|(r, b)| RankPorts::decode(r, b))
             .collect::<Result<Vec<_>>>()?;
-        route::plan(&recs, me)
+        let names = recs
+            .iter()
+            .map(|r| r.devices.iter().map(|d| d.name.clone()).collect())
+            .collect::<Vec<Vec<String>>>();
+        Ok((route::plan(&recs, me)?, names))
     })();
-    let plan = boot.agree("verbs routes", planned)?;
+    let (plan, names) = boot.agree("verbs routes", planned)?;
     for n in &plan.notes {
         match n.strip_prefix("warning: ") {
             Some(w) => log::warn!("arx verbs: rank {me}: {w}"),
             None => log::info!("arx verbs: rank {me}: {n}"),
         }
     }
-    Ok(plan)
+    Ok((plan, names))
 }
 
 /// Plans the routes, opens the devices they use, creates the QPs, exchanges
@@ -175,7 +180,7 @@ pub(crate) fn connect(
 ) -> Result<VerbsFabric> {
     let world = layout.world();
     let me = layout.rank();
-    let plan = plan_routes(boot, sel, me)?;
+    let (plan, names) = plan_routes(boot, sel, me)?;
     let Local {
         devices,
         cand,
@@ -256,10 +261,8 @@ pub(crate) fn connect(
             .enumerate()
             .map(|(i, qp)| {
                 let (q, r, lane) = where_[i];
-                let d = cand
-                    .iter()
-                    .position(|&c| c == direct(&plan, q)[r][lane].mine)
-                    .unwrap_or(0);
+                let hops = direct(&plan, q)[r][lane];
+                let d = cand.iter().position(|&c| c == hops.mine).unwrap_or(0);
                 let hop = eps[q].peers[me][r][lane];
                 let dev = &eps[q].devices[hop.dev as usize];
                 let mtu = devices[d].active_mtu.min(dev.mtu);
@@ -281,6 +284,10 @@ pub(crate) fn connect(
                         rkey: dev.rkey,
                     },
                     dev.gid,
+                    (
+                        names[q].get(hops.theirs).cloned().unwrap_or_default(),
+                        dev.gid_index,
+                    ),
                     mtu_bytes(mtu),
                 ))
             })
@@ -299,6 +306,8 @@ pub(crate) fn connect(
         devices,
         rails,
         relays,
+        probe_words: vec![0; world],
+        probe_last: None,
         plan,
         layout: *layout,
         base: region.as_ptr() as u64,

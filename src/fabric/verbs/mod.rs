@@ -98,6 +98,7 @@ mod connect;
 mod endpoint;
 mod ledger;
 mod post;
+mod probe;
 mod qp;
 mod relay;
 mod wrappers;
@@ -205,6 +206,11 @@ pub(crate) struct VerbsFabric {
     rails: Vec<Vec<[usize; LANES]>>,
     /// The partials this rank forwards (a 4-ring's diagonals).
     relays: Vec<relay::Relay>,
+    /// Per peer, the last probe word written to or read from it (both
+    /// ends count the same; see [`crate::probe`]).
+    probe_words: Vec<u64>,
+    /// The last probe word posted (link, remote address, word), for a kick.
+    probe_last: Option<(usize, u64, u64)>,
     /// The routes, for `describe` and errors.
     plan: Plan,
     layout: Layout,
@@ -286,6 +292,13 @@ impl Fabric for VerbsFabric {
         true
     }
 
+    fn probe_rails(
+        &mut self,
+        opts: &crate::probe::ProbeOptions,
+    ) -> Result<Vec<crate::probe::RailProbe>> {
+        self.probe(opts)
+    }
+
     fn quiescent(&self) -> bool {
         self.links.iter().all(|l| l.ledger.outstanding() == 0)
     }
@@ -330,7 +343,7 @@ impl Fabric for VerbsFabric {
                                 let link = &self.links[i];
                                 let d = &self.devices[link.dev];
                                 format!(
-                                    "lane {l} {} port {} {} {} GID[{}] {} -> {} MTU {}",
+                                    "lane {l} {} port {} {} {} GID[{}] {} -> {} {} GID[{}] MTU {}",
                                     d.ctx.name,
                                     d.sel.port,
                                     d.sel.netdev,
@@ -341,7 +354,9 @@ impl Fabric for VerbsFabric {
                                     },
                                     d.sel.gid_index,
                                     gid_text(&d.gid),
+                                    link.remote_dev.0,
                                     gid_text(&link.remote_gid),
+                                    link.remote_dev.1,
                                     link.path_mtu
                                 )
                             })

@@ -32,6 +32,9 @@ pub(super) struct Link {
     pub(super) remote: RemoteRegion,
     /// The far end's GID.
     pub(super) remote_gid: [u8; 16],
+    /// The far end's device name and GID index (for `describe` and the
+    /// rail probe).
+    pub(super) remote_dev: (String, u32),
     /// The path MTU in bytes (the smaller of the two ports' active MTUs).
     pub(super) path_mtu: u32,
     pub(super) ledger: Ledger,
@@ -52,6 +55,7 @@ impl Link {
         rail: usize,
         remote: RemoteRegion,
         remote_gid: [u8; 16],
+        remote_dev: (String, u32),
         path_mtu: u32,
     ) -> Self {
         Link {
@@ -61,6 +65,7 @@ impl Link {
             rail,
             remote,
             remote_gid,
+            remote_dev,
             path_mtu,
             last_flag: None,
             broken: false,
@@ -152,7 +157,7 @@ impl VerbsFabric {
         e
     }
 
-    fn device_name(&self, link: &Link) -> &str {
+    pub(super) fn device_name(&self, link: &Link) -> &str {
         &self.devices[link.dev].ctx.name
     }
 
