@@ -690,4 +690,62 @@ mod tests {
             assert!(plans[me].forwards.is_empty());
         }
     }
+
+    /// The soft-RoCE topologies of `scripts/rxe-vm` (every rxe device is a
+    /// root of its own; `n<i>p<k>r<j>` is node i, port k, root j): the
+    /// routes the VM runs must take.
+    #[test]
+    #[allow(clippy::needless_range_loop)]
+    fn rxe_fixtures_route_as_the_vm_is_cabled() {
+        let (s, p) = cluster("rxe_dual", 2);
+        assert_eq!(
+            hop_names(&s, 0, 1, &p[0]),
+            [
+                "n0p0r0>n1p0r0",
+                "n0p0r1>n1p0r1",
+                "n0p1r0>n1p1r0",
+                "n0p1r1>n1p1r1"
+            ]
+        );
+        let (s, p) = cluster("rxe_triangle", 3);
+        for me in 0..3 {
+            for q in (0..3).filter(|&q| q != me) {
+                let h = hop_names(&s, me, q, &p[me]);
+                assert_eq!(h.len(), 2, "{h:?}");
+                // Both lanes on one port of each node, on both roots.
+                for (l, hop) in h.iter().enumerate() {
+                    let (a, b) = hop.split_once('>').unwrap();
+                    assert!(
+                        a.ends_with(&format!("r{l}")) && b.ends_with(&format!("r{l}")),
+                        "{h:?}"
+                    );
+                    assert!(
+                        a.starts_with(&format!("n{me}")) && b.starts_with(&format!("n{q}")),
+                        "{h:?}"
+                    );
+                }
+                assert_ne!(h[0][..4], hop_names(&s, me, 3 - me - q, &p[me])[0][..4]);
+            }
+            assert!(p[me].forwards.is_empty());
+        }
+        let (s, p) = cluster("rxe_ring4", 4);
+        for me in 0..4 {
+            assert_eq!(
+                p[me].routes[(me + 2) % 4],
+                Some(Route::Relay { via: (me + 1) % 4 })
+            );
+            assert_eq!(hop_names(&s, me, (me + 1) % 4, &p[me]).len(), 2);
+            assert_eq!(hop_names(&s, me, (me + 3) % 4, &p[me]).len(), 2);
+            assert_eq!(p[me].forwards, [((me + 3) % 4, (me + 1) % 4)]);
+        }
+        let (s, p) = cluster("rxe_switch", 3);
+        for me in 0..3 {
+            for q in (0..3).filter(|&q| q != me) {
+                assert_eq!(
+                    hop_names(&s, me, q, &p[me]),
+                    [format!("n{me}p0r0>n{q}p0r0"), format!("n{me}p0r1>n{q}p0r1")]
+                );
+            }
+        }
+    }
 }
