@@ -38,6 +38,7 @@ fn every_error_variant_has_its_code() {
         kind,
         count: 3,
         more: false,
+        op: arx::Op::Sum,
     };
     let mismatch = |theirs| Error::CallMismatch {
         seq: 1,

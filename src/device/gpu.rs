@@ -449,7 +449,7 @@ impl GpuSide {
         input: u64,
         output: u64,
         count: usize,
-        dtype: Option<(Dtype, usize)>,
+        dtype: Option<(Dtype, usize, crate::Op)>,
         stream: sys::CUstream,
     ) -> Result<()> {
         self.ctx
@@ -461,9 +461,9 @@ impl GpuSide {
             None => {
                 let c = count.min(abi::ARX_MAX_CHUNK as usize);
                 // SAFETY: a refusal touches no memory.
-                unsafe { self.launch_one(0, 0, c, None, false, stream) }
+                unsafe { self.launch_one(0, 0, c, None, false, crate::Op::Sum, stream) }
             }
-            Some((d, per)) => chunked::chunks(count, per).try_for_each(|c| {
+            Some((d, per, op)) => chunked::chunks(count, per).try_for_each(|c| {
                 let at = (c.range.start * d.size()) as u64;
                 // SAFETY: the chunk lies within the caller's `count`
                 // elements (the caller's contract), and holds at most `per`
@@ -475,6 +475,7 @@ impl GpuSide {
                         c.range.len(),
                         Some(d),
                         c.more,
+                        op,
                         stream,
                     )
                 }
@@ -498,6 +499,7 @@ impl GpuSide {
         count: usize,
         dtype: Option<Dtype>,
         more: bool,
+        op: crate::Op,
         stream: sys::CUstream,
     ) -> Result<()> {
         let d = dtype;
@@ -530,7 +532,7 @@ impl GpuSide {
             sm_staging: u32::from(!ce),
             unroll: 1,
             more: if more { abi::ARX_FLAG_MORE } else { 0 },
-            pad: 0,
+            op: op.code(),
         };
         let aligned = (input | output) & 15 == 0;
         let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));
