@@ -456,7 +456,10 @@ impl Arx {
         // SAFETY: both slices are live device allocations of `n` elements of
         // T in this context (checked), borrowed until the launch is enqueued;
         // cudarc's events order later uses of them after the kernel.
-        unsafe { self.device.gpu_call(i, o, n, T::DTYPE, op, stream.cu_stream()) }
+        unsafe {
+            self.device
+                .gpu_call(i, o, n, T::DTYPE, op, stream.cu_stream())
+        }
     }
 
     /// In-place variant of [`Arx::allreduce`]: `buf` holds this rank's
@@ -483,7 +486,10 @@ impl Arx {
         // SAFETY: as in `allreduce`; input and output may alias (each
         // element is read before it is written, and the partial is staged
         // before any output is written).
-        unsafe { self.device.gpu_call(p, p, n, T::DTYPE, op, stream.cu_stream()) }
+        unsafe {
+            self.device
+                .gpu_call(p, p, n, T::DTYPE, op, stream.cu_stream())
+        }
     }
 
     /// [`Arx::allreduce`] on raw device addresses, for interop with other
@@ -522,7 +528,10 @@ impl Arx {
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
         // SAFETY: the caller's contract is the same as `gpu_call`'s.
-        unsafe { self.device.gpu_call(input, output, count, dtype, op, stream) }
+        unsafe {
+            self.device
+                .gpu_call(input, output, count, dtype, op, stream)
+        }
     }
 
     /// Refuses this rank's part of the next call with `err`, as arx refuses

@@ -36,7 +36,7 @@ pub enum Op {
 }
 
 /// The canonical quiet NaN of f32 (narrowed: bf16 `0x7fc0`, f16 `0x7e00`).
-pub(crate) const CANONICAL_NAN: f32 = f32::from_bits(0x7fc0_0000);
+pub(crate) const CANONICAL_NAN_BITS: u32 = 0x7fc0_0000;
 
 impl Op {
     /// Every op, in code order.
@@ -84,7 +84,7 @@ impl Op {
             Op::Sum | Op::Avg => a + b,
             Op::Max | Op::Min => {
                 if a.is_nan() || b.is_nan() {
-                    CANONICAL_NAN
+                    f32::from_bits(CANONICAL_NAN_BITS)
                 } else if a == b {
                     // Equal: the same bits, or ±0; AND keeps +0, OR −0.
                     let (x, y) = (a.to_bits(), b.to_bits());
@@ -107,7 +107,7 @@ impl Op {
         }
         let q = a / world as f32;
         if q.is_nan() {
-            CANONICAL_NAN
+            f32::from_bits(CANONICAL_NAN_BITS)
         } else {
             q
         }

@@ -218,26 +218,31 @@ pub fn reference_op<T: Element>(op: crate::Op, inputs: &[Vec<T>]) -> Vec<T> {
     let count = inputs.first().map_or(0, |v| v.len());
     let f = format(T::DTYPE);
     // Order key: the value, then the sign of a zero (−0 below +0).
-    let key = |x: f64| (x, if x == 0.0 && x.is_sign_negative() { 0 } else { 1 });
+    let key = |x: f64| {
+        (
+            x,
+            if x == 0.0 && x.is_sign_negative() {
+                0
+            } else {
+                1
+            },
+        )
+    };
     (0..count)
         .map(|i| {
             let vals: Vec<f64> = inputs.iter().map(|x| f.decode(bits_of(&x[i]))).collect();
             let r: f64 = match op {
                 _ if op != Op::Avg && vals.iter().any(|v| v.is_nan()) => f64::NAN,
-                Op::Max => vals[1..].iter().fold(vals[0], |m, &v| {
-                    if key(v) > key(m) {
-                        v
-                    } else {
-                        m
-                    }
-                }),
-                Op::Min => vals[1..].iter().fold(vals[0], |m, &v| {
-                    if key(v) < key(m) {
-                        v
-                    } else {
-                        m
-                    }
-                }),
+                Op::Max => {
+                    vals[1..]
+                        .iter()
+                        .fold(vals[0], |m, &v| if key(v) > key(m) { v } else { m })
+                }
+                Op::Min => {
+                    vals[1..]
+                        .iter()
+                        .fold(vals[0], |m, &v| if key(v) < key(m) { v } else { m })
+                }
                 _ => {
                     let mut acc = vals[0] as f32;
                     for v in &vals[1..] {

@@ -353,9 +353,9 @@ fn break_qp(world: &SimpleCommunicator) -> Result<String, String> {
         // under load its retries can run out (retry exceeded, about half a
         // second) before the culprit's poisoned flags arrive. That too is a
         // failure at once naming the culprit.
-        Err(e @ Error::Verbs { peer: Some(p), .. }) if me == victim && p == CULPRIT && fast => {
-            Ok(format!("its sends to rank {p} failed at once, after {took:?}: {e}"))
-        }
+        Err(e @ Error::Verbs { peer: Some(p), .. }) if me == victim && p == CULPRIT && fast => Ok(
+            format!("its sends to rank {p} failed at once, after {took:?}: {e}"),
+        ),
         Err(e @ Error::CallMismatch { peer, theirs, .. })
             if me != CULPRIT
                 && (peer == CULPRIT || (peer == victim && me != victim))

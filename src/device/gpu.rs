@@ -461,7 +461,7 @@ impl GpuSide {
             None => {
                 let c = count.min(abi::ARX_MAX_CHUNK as usize);
                 // SAFETY: a refusal touches no memory.
-                unsafe { self.launch_one(0, 0, c, None, false, crate::Op::Sum, stream) }
+                unsafe { self.launch_one(0, 0, c, None, false, stream) }
             }
             Some((d, per, op)) => chunked::chunks(count, per).try_for_each(|c| {
                 let at = (c.range.start * d.size()) as u64;
@@ -473,9 +473,8 @@ impl GpuSide {
                         input + at,
                         output + at,
                         c.range.len(),
-                        Some(d),
+                        Some((d, op)),
                         c.more,
-                        op,
                         stream,
                     )
                 }
@@ -488,7 +487,8 @@ impl GpuSide {
     }
 
     /// Enqueues one chunk: the copy-engine staging (if chosen) and the
-    /// kernel. `more`: more chunks of the same call follow.
+    /// kernel. `dtype`: the element type and op (None: a refusal); `more`:
+    /// more chunks of the same call follow.
     ///
     /// # Safety
     /// As [`GpuSide::launch`], for `count` ≤ one slot's worth of elements.
@@ -497,12 +497,12 @@ impl GpuSide {
         input: u64,
         output: u64,
         count: usize,
-        dtype: Option<Dtype>,
+        dtype: Option<(Dtype, crate::Op)>,
         more: bool,
-        op: crate::Op,
         stream: sys::CUstream,
     ) -> Result<()> {
-        let d = dtype;
+        let d = dtype.map(|(d, _)| d);
+        let op = dtype.map_or(crate::Op::Sum, |(_, o)| o);
         let code = d.map_or(abi::ARX_DTYPE_INVALID, Dtype::code);
         let bytes = d.map_or(0, |d| d.size() * count);
         let ce = self.staging == Staging::CopyEngine;

@@ -31,7 +31,10 @@ fn op_call<T: Element>(
         verify::poison(&mut out);
         arx.allreduce_host_op(&input, &mut out, op)
     };
-    let what = format!("{op} call {call} ({count} x {:?}, in place {in_place})", T::DTYPE);
+    let what = format!(
+        "{op} call {call} ({count} x {:?}, in place {in_place})",
+        T::DTYPE
+    );
     r.map_err(|e| format!("{what}: {e}"))?;
     let wrong = verify::count_wrong_op(op, &out, &want);
     if wrong != 0 {
