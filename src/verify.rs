@@ -233,16 +233,12 @@ pub fn reference_op<T: Element>(op: crate::Op, inputs: &[Vec<T>]) -> Vec<T> {
             let vals: Vec<f64> = inputs.iter().map(|x| f.decode(bits_of(&x[i]))).collect();
             let r: f64 = match op {
                 _ if op != Op::Avg && vals.iter().any(|v| v.is_nan()) => f64::NAN,
-                Op::Max => {
-                    vals[1..]
-                        .iter()
-                        .fold(vals[0], |m, &v| if key(v) > key(m) { v } else { m })
-                }
-                Op::Min => {
-                    vals[1..]
-                        .iter()
-                        .fold(vals[0], |m, &v| if key(v) < key(m) { v } else { m })
-                }
+                Op::Max => vals[1..]
+                    .iter()
+                    .fold(vals[0], |m, &v| if key(v) > key(m) { v } else { m }),
+                Op::Min => vals[1..]
+                    .iter()
+                    .fold(vals[0], |m, &v| if key(v) < key(m) { v } else { m }),
                 _ => {
                     let mut acc = vals[0] as f32;
                     for v in &vals[1..] {
