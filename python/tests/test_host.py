@@ -20,8 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 import arx
-from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, case, check, expect_error,
-                     expected, main, note, partial, poison, same_bits, widen, wrong)
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, bits, case, check, expect_error,
+                     expected, main, narrow, note, partial, poison, same_bits, widen, wrong)
 
 
 def call_and_check(comm, case_id, n, dtype, in_place, name, shape=None, sub=None):
