@@ -20,9 +20,10 @@
  *      and each lane l: the lane's half of send[p] into q's recv[p][r], then the
  *      flag word into q's flags[p][r][l] on the same ordered channel;
  *   3. the device side waits until flags[p][q][l] carries seq for every peer and
- *      lane, checks that the peer's count and dtype equal its own, and sums
- *      recv[p][0..world] (its own partial from send[p]) in rank order with an
- *      fp32 accumulator, rounding once, so every rank holds the same bits.
+ *      lane, checks that the peer's count, dtype and op equal its own, and
+ *      reduces recv[p][0..world] (its own partial from send[p]) in rank order
+ *      with an fp32 accumulator (sum, max, min, or avg: the sum divided once
+ *      by world), rounding once, so every rank holds the same bits.
  */
 #ifndef ARX_H
 #define ARX_H

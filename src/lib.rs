@@ -86,8 +86,8 @@
 //! * Every wait is bounded: each collective step of start-up by the start-up
 //!   timeout, everything after start-up by the call timeout. A rank that
 //!   stops calling makes the others return [`Error::Timeout`].
-//! * Ranks that disagree (settings, or a call's length or dtype) all get
-//!   an error; none computes a wrong sum. Whatever the settings, every rank
+//! * Ranks that disagree (settings, or a call's length, dtype or [`Op`])
+//!   all get an error; none computes a wrong sum. Whatever the settings, every rank
 //!   runs the same sequence of start-up collectives.
 //! * Memory is fixed at construction; no allocation on the call path.
 //! * Every element of the result is `((p0 + p1) + p2) + …` over the ranks'
@@ -98,6 +98,25 @@
 //!   a NaN on every rank of one instance, but its payload and sign are not
 //!   specified (a GPU returns its canonical NaN, the CPU propagates a
 //!   payload).
+//! * Other reductions ([`Op`], through the `_op` entry points such as
+//!   [`Arx::allreduce_op`] and [`Arx::allreduce_host_op`]; the entry points
+//!   without `_op` sum) follow the same rule, identical bits on every rank,
+//!   GPU and host side alike, any length and chunking:
+//!   - max, min: IEEE 754-2019 `maximum` / `minimum` over the values
+//!     widened exactly to fp32, in rank order: any NaN input gives NaN,
+//!     always the canonical quiet NaN of the dtype (bf16 `0x7fc0`, f16
+//!     `0x7e00`, f32 `0x7fc0_0000`), and −0.0 < +0.0 (max(−0, +0) = +0,
+//!     min(−0, +0) = −0). The result is one of the inputs: exact.
+//!   - avg: the fp32 sum exactly as sum computes it, then one fp32 division
+//!     by the world size (correctly rounded), then one rounding to the
+//!     dtype (round to nearest even): two roundings after the sum, which
+//!     may differ from dividing in higher precision. A sum that overflows
+//!     fp32 gives ±Inf (also where the average would fit); a NaN result is
+//!     the canonical NaN.
+//!
+//!   Ranks that pass different ops all fail that call at once with
+//!   [`Error::CallMismatch`] (the op is carried in every call's flag word),
+//!   never mixing ops.
 //! * Calls of one instance run one after another in the order they are
 //!   made, whatever CUDA streams they are enqueued on and whether they are
 //!   captured into graphs (see GPU buffers).
