@@ -207,7 +207,7 @@ pub fn reference<T: Element>(inputs: &[Vec<T>]) -> Vec<T> {
 }
 
 /// The reduction `op` computed independently of the library (see the
-/// module docs): sum as [`reference`]; max/min by f64 comparison with
+/// module docs): sum as [`reference()`]; max/min by f64 comparison with
 /// −0 < +0 and any NaN giving NaN; avg as the f32 sum divided once in f32 by
 /// the number of ranks. One rounding to `T` (a NaN to `T`'s canonical NaN).
 pub fn reference_op<T: Element>(op: crate::Op, inputs: &[Vec<T>]) -> Vec<T> {
