@@ -68,10 +68,12 @@ use rand::{Rng, SeedableRng};
 
 mod checks;
 mod chunked;
+mod ops;
 mod wrong_sum;
 
 use checks::*;
 use chunked::*;
+use ops::*;
 use wrong_sum::*;
 
 const SEED: u64 = 0x6e0_5eed;
@@ -278,6 +280,12 @@ fn child() -> ExitCode {
             "a chunked call with another total length fails every rank at once",
             chunked_mismatch,
         ),
+        (
+            "max, min, avg: every dtype, length and placement, eager",
+            ops_eager,
+        ),
+        ("max, min, avg captured into graphs and replayed", ops_graph),
+        ("ranks that pass different ops fail at once", ops_mismatch),
     ];
     // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain
     // one of the words; ARX_GPU_TEST_STAGING=sm|copy only one staging.
