@@ -152,9 +152,9 @@ pub fn input<T: Element>(seed: u64, call: u64, rank: usize, count: usize) -> Vec
 
 /// Like [`input`], with the values that break assumptions at seeded
 /// positions (the same positions on every rank): −0.0 on every rank, ±0.0
-/// mixed, NaN on one rank, +Inf on one rank and −Inf on another, +Inf on
-/// every rank, subnormals of `T`, values whose sum overflows `T`, and
-/// values whose sum cancels exactly.
+/// mixed, NaN on rank 0 (and elsewhere on rank 1 only), +Inf on one rank
+/// and −Inf on another, +Inf on every rank, subnormals of `T`, values whose
+/// sum overflows `T`, and values whose sum cancels exactly.
 pub fn input_edges<T: Element>(seed: u64, call: u64, rank: usize, count: usize) -> Vec<T> {
     let mut v = input::<T>(seed, call, rank, count);
     let f = format(T::DTYPE);
