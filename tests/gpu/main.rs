@@ -44,6 +44,13 @@
 //! one chunk more than the others (every rank fails with `CallMismatch` at
 //! once).
 //!
+//! Reductions other than sum (`ops.rs`): sum, max, min and avg on every
+//! dtype at 1, 77, 1001 and 2m+3 elements, out of place, in place and
+//! unaligned, on edge values, bit for bit against `verify::reference_op`;
+//! max, min and avg captured into graphs (a chunked call and an in-place
+//! call) and replayed with new input; ranks passing different ops (every
+//! rank fails with `CallMismatch` naming both ops at once).
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
