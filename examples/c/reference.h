@@ -80,7 +80,8 @@ static uint64_t ref_mix(uint64_t x) { /* splitmix64 */
  * uniform in (-8, 8) with a full mantissa, and at positions chosen by
  * (call, i) alone, the same on every rank, the values that break
  * assumptions: -0.0 on every rank, subnormals of the type, sums that
- * overflow the type, sums that cancel exactly, NaN on rank 0. */
+ * overflow the type, sums that cancel exactly, NaN on rank 0, NaN on the
+ * last rank only, -0.0 and +0.0 mixed. */
 static float ref_input(int t, uint64_t call, int r, int world, size_t i) {
     uint64_t pick = ref_mix(call * 0x100000001b3ull ^ i) % 32;
     float tiny = t == REF_F32 ? 0x1p-149f : t == REF_F16 ? 0x1p-24f : 0x1p-133f;
@@ -91,6 +92,8 @@ static float ref_input(int t, uint64_t call, int r, int world, size_t i) {
     case 2: v = t == REF_F16 ? 60000.0f : 3.0e38f; break;
     case 3: v = (world % 2 == 0 || r != world - 1) ? (r % 2 ? -3.0f : 3.0f) : 0.0f; break;
     case 4: v = r == 0 ? NAN : 1.0f; break;
+    case 5: v = r % 2 ? 0.0f : -0.0f; break; /* +-0 ties (max +0, min -0) */
+    case 6: v = r == world - 1 ? NAN : 2.0f; break; /* NaN after numbers */
     default: {
         uint64_t x = ref_mix(ref_mix(call) ^ ref_mix((uint64_t)r + 0x51ed) ^ i);
         v = ((float)(x >> 40) / (float)(1u << 24) * 2.0f - 1.0f) * 8.0f;
