@@ -143,7 +143,12 @@ typedef enum arxDataType_t {
 } arxDataType_t;
 
 /**
- * Reduction operation.
+ * Reduction operation (the values of NCCL's `ncclRedOp_t`, so that a
+ * ported call never silently changes op: 1, NCCL's product, is refused).
+ * Every rank must pass the same op (ranks that differ all fail the call
+ * with `arxCallMismatch`). Each op combines the ranks' values widened
+ * exactly to fp32, in rank order, and rounds once to the element type;
+ * the same bits on every rank, GPU and host side alike.
  */
 typedef enum arxRedOp_t {
   /**
@@ -152,9 +157,25 @@ typedef enum arxRedOp_t {
    */
   arxSum = 0,
   /**
-   * Number of operations.
+   * Maximum, IEEE 754-2019 `maximum`: any NaN gives the canonical quiet
+   * NaN of the type (bf16 0x7fc0, f16 0x7e00, f32 0x7fc00000), and
+   * -0.0 < +0.0. Exact.
    */
-  arxNumOps = 1,
+  arxMax = 2,
+  /**
+   * Minimum, IEEE 754-2019 `minimum` (NaN and zeros as `arxMax`). Exact.
+   */
+  arxMin = 3,
+  /**
+   * Average: the fp32 sum exactly as `arxSum` computes it, divided once
+   * in fp32 by the number of ranks (correctly rounded), then rounded to
+   * the element type: two roundings after the sum. A NaN is canonical.
+   */
+  arxAvg = 4,
+  /**
+   * One past the largest operation value.
+   */
+  arxNumOps = 5,
 } arxRedOp_t;
 
 /**

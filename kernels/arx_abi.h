@@ -20,9 +20,10 @@
  *      and each lane l: the lane's half of send[p] into q's recv[p][r], then the
  *      flag word into q's flags[p][r][l] on the same ordered channel;
  *   3. the device side waits until flags[p][q][l] carries seq for every peer and
- *      lane, checks that the peer's count and dtype equal its own, and sums
- *      recv[p][0..world] (its own partial from send[p]) in rank order with an
- *      fp32 accumulator, rounding once, so every rank holds the same bits.
+ *      lane, checks that the peer's count, dtype and op equal its own, and
+ *      reduces recv[p][0..world] (its own partial from send[p]) in rank order
+ *      with an fp32 accumulator (sum, max, min, or avg: the sum divided once
+ *      by world), rounding once, so every rank holds the same bits.
  */
 #ifndef ARX_H
 #define ARX_H
@@ -37,7 +38,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 4u
+#define ARX_ABI_VERSION 5u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -61,7 +62,13 @@ typedef unsigned int uint32_t;
  * differ, and fail there at once (a mismatch), never by a timeout. */
 #define ARX_FLAG_SEQ_SHIFT 32u
 #define ARX_FLAG_DTYPE_SHIFT 28u
-#define ARX_FLAG_DTYPE_MASK 0xfu
+#define ARX_FLAG_DTYPE_MASK 0x3u
+/* The reduction (ARX_OP_*) in the two bits above the dtype: ranks that
+ * call with different ops differ in the flag word and fail at once. Sum is
+ * 0, so sum's flag words (and the poison and refusal words) are those of
+ * ABI version 4. */
+#define ARX_FLAG_OP_SHIFT 30u
+#define ARX_FLAG_OP_MASK 0x3u
 #define ARX_FLAG_COUNT_MASK 0x0fffffffu
 /* In the count field: more chunks of the same call follow this one. */
 #define ARX_FLAG_MORE 0x08000000u
@@ -83,6 +90,12 @@ typedef unsigned int uint32_t;
 #define ARX_DTYPE_BF16 1u
 #define ARX_DTYPE_F16 2u
 #define ARX_DTYPE_F32 3u
+
+/* Reductions, as carried in the flag word and arx_params_t.op. */
+#define ARX_OP_SUM 0u
+#define ARX_OP_MAX 1u
+#define ARX_OP_MIN 2u
+#define ARX_OP_AVG 3u
 
 /* Status recorded by the device side in arx_ctrl_t.status. */
 #define ARX_STATUS_OK 0u
@@ -185,7 +198,8 @@ typedef struct arx_params {
     /* ARX_FLAG_MORE when more chunks of the same call follow this launch,
      * else 0; or'ed into the flag word's count field. */
     uint32_t more;
-    uint32_t pad;
+    /* ARX_OP_* of the call. */
+    uint32_t op;
 } arx_params_t;
 
 #ifndef __CUDACC_RTC__

@@ -10,7 +10,8 @@
  *            abort word and a %globaltimer deadline; a block that sees them
  *            all complete posts ready_seq in device memory, which lets the
  *            other blocks stop polling the (PCIe-distant) flags early;
- *   sum      rank-order fp32 sum, one rounding, into the output; peers'
+ *   sum      rank-order fp32 sum (or max / min / avg, p.op), one
+ *            rounding, into the output; peers'
  *            partials are read with ld.global.cv (never a stale cached line);
  *   leave    the last block out resets the tickets, advances state.seq and
  *            stores ctrl.done (and poisons the output with NaN if the call
@@ -27,6 +28,56 @@
 #define ARX_ONESHOT_CUH
 
 #include "device.cuh"
+
+/* ---- reductions (ARX_OP_*), bit for bit as src/op.rs ----
+ * sum, avg: IEEE addition in rank order (avg then divides once, below).
+ * max, min: IEEE 754-2019 maximum / minimum: a NaN operand gives the
+ * canonical quiet NaN 0x7FC00000 (which every dtype's store turns into its
+ * own canonical NaN), and -0 < +0 (for equal operands the AND of the bits
+ * is the maximum, the OR the minimum: they differ only in the sign of a
+ * zero). The result is one of the inputs: exact. */
+__device__ __forceinline__ float op_identity(u32 op) {
+    if (op == ARX_OP_MAX) return bits_f32(0xFF800000u); /* -inf */
+    if (op == ARX_OP_MIN) return bits_f32(0x7F800000u); /* +inf */
+    /* -0.0 is the identity of IEEE addition, see the sum loop. */
+    return -0.0f;
+}
+__device__ __forceinline__ float op_combine(u32 op, float a, float b) {
+    if (op == ARX_OP_MAX || op == ARX_OP_MIN) {
+        if (a != a || b != b) return bits_f32(0x7FC00000u);
+        if (a == b) {
+            u32 x = f32_bits(a), y = f32_bits(b);
+            return bits_f32(op == ARX_OP_MAX ? (x & y) : (x | y));
+        }
+        return (op == ARX_OP_MAX) == (a > b) ? a : b;
+    }
+    return a + b;
+}
+/* avg: one correctly rounded f32 division by the world size (__fdiv_rn,
+ * whatever the compile flags), a NaN made canonical. */
+__device__ __forceinline__ float op_finish(u32 op, float a, u32 world) {
+    if (op != ARX_OP_AVG) return a;
+    float q = __fdiv_rn(a, (float)world);
+    return q != q ? bits_f32(0x7FC00000u) : q;
+}
+template <class T>
+__device__ __forceinline__ void acc_op(u32 op, float *acc, vec4 v) {
+    if (op == ARX_OP_SUM || op == ARX_OP_AVG) {
+        acc_add<T>(acc, v);
+        return;
+    }
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    if (sizeof(typename T::S) == 2) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            acc[2 * k] = op_combine(op, acc[2 * k], T::load((u16)(w[k] & 0xFFFFu)));
+            acc[2 * k + 1] = op_combine(op, acc[2 * k + 1], T::load((u16)(w[k] >> 16)));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[k] = op_combine(op, acc[k], T::load(w[k]));
+    }
+}
 
 template <class T>
 __device__ void oneshot_run(const arx_params_t &p) {
@@ -52,7 +103,9 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u64 seq = st->seq + 1;
     const u32 seq32 = (u32)seq;
     const u32 par = (u32)(seq & 1);
+    const u32 op = p.op & ARX_FLAG_OP_MASK;
     const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
+                     ((u64)op << ARX_FLAG_OP_SHIFT) |
                      ((u64)(p.dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
                      ((u64)(p.count | (p.more & ARX_FLAG_MORE)) & ARX_FLAG_COUNT_MASK);
 
@@ -250,7 +303,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
                  * every x, -0 + -0 == -0), so the sum is exactly
                  * ((p0 + p1) + p2) + ... including the sign of zero; a +0.0
                  * start would turn all-(-0.0) inputs into +0.0. */
-                for (int k = 0; k < 8; k++) acc[k] = -0.0f;
+                for (int k = 0; k < 8; k++) acc[k] = op_identity(op);
                 /* Loads for up to 8 ranks in flight, then added in rank order. */
                 for (u32 r0 = 0; r0 < world; r0 += 8) {
                     vec4 v[8];
@@ -270,13 +323,15 @@ __device__ void oneshot_run(const arx_params_t &p) {
                     }
 #pragma unroll
                     for (u32 j = 0; j < 8; j++)
-                        if (j < nr) acc_add<T>(acc, v[j]);
+                        if (j < nr) acc_op<T>(op, acc, v[j]);
                 }
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[k] = op_finish(op, acc[k], world);
                 *(vec4 *)(out + e0) = acc_pack<T>(acc);
             } else {
                 u32 e1 = e0 + unit < count ? e0 + unit : count;
                 for (u32 e = e0; e < e1; e++) {
-                    float a = -0.0f; /* see the vector path */
+                    float a = op_identity(op); /* see the vector path */
                     for (u32 r = 0; r < world; r++) {
                         S s;
                         if (r == me) {
@@ -286,9 +341,9 @@ __device__ void oneshot_run(const arx_params_t &p) {
                                                        ((u64)par * world + r) * slot);
                             s = ld_cv_elem(src + e);
                         }
-                        a += T::load(s);
+                        a = op_combine(op, a, T::load(s));
                     }
-                    out[e] = T::store(a);
+                    out[e] = T::store(op_finish(op, a, world));
                 }
             }
         }

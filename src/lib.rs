@@ -86,8 +86,8 @@
 //! * Every wait is bounded: each collective step of start-up by the start-up
 //!   timeout, everything after start-up by the call timeout. A rank that
 //!   stops calling makes the others return [`Error::Timeout`].
-//! * Ranks that disagree (settings, or a call's length or dtype) all get
-//!   an error; none computes a wrong sum. Whatever the settings, every rank
+//! * Ranks that disagree (settings, or a call's length, dtype or [`Op`])
+//!   all get an error; none computes a wrong sum. Whatever the settings, every rank
 //!   runs the same sequence of start-up collectives.
 //! * Memory is fixed at construction; no allocation on the call path.
 //! * Every element of the result is `((p0 + p1) + p2) + …` over the ranks'
@@ -98,6 +98,25 @@
 //!   a NaN on every rank of one instance, but its payload and sign are not
 //!   specified (a GPU returns its canonical NaN, the CPU propagates a
 //!   payload).
+//! * Other reductions ([`Op`], through the `_op` entry points such as
+//!   [`Arx::allreduce_op`] and [`Arx::allreduce_host_op`]; the entry points
+//!   without `_op` sum) follow the same rule, identical bits on every rank,
+//!   GPU and host side alike, any length and chunking:
+//!   - max, min: IEEE 754-2019 `maximum` / `minimum` over the values
+//!     widened exactly to fp32, in rank order: any NaN input gives NaN,
+//!     always the canonical quiet NaN of the dtype (bf16 `0x7fc0`, f16
+//!     `0x7e00`, f32 `0x7fc0_0000`), and −0.0 < +0.0 (max(−0, +0) = +0,
+//!     min(−0, +0) = −0). The result is one of the inputs: exact.
+//!   - avg: the fp32 sum exactly as sum computes it, then one fp32 division
+//!     by the world size (correctly rounded), then one rounding to the
+//!     dtype (round to nearest even): two roundings after the sum, which
+//!     may differ from dividing in higher precision. A sum that overflows
+//!     fp32 gives ±Inf (also where the average would fit); a NaN result is
+//!     the canonical NaN.
+//!
+//!   Ranks that pass different ops all fail that call at once with
+//!   [`Error::CallMismatch`] (the op is carried in every call's flag word),
+//!   never mixing ops.
 //! * Calls of one instance run one after another in the order they are
 //!   made, whatever CUDA streams they are enqueued on and whether they are
 //!   captured into graphs (see GPU buffers).
@@ -230,6 +249,7 @@ mod error;
 mod establish;
 mod fabric;
 mod layout;
+mod op;
 pub mod probe;
 mod protocol;
 mod proxy;
@@ -257,6 +277,7 @@ pub use device::platform::{GpuAttrs, GpuPlatform, RegionAlloc};
 pub use dtype::{CallDesc, CallKind, Dtype, Element};
 pub use error::{Error, Result};
 pub use layout::Layout;
+pub use op::Op;
 pub use probe::{Bandwidth, Latency, ProbeOptions, RailProbe};
 pub use wire::PeerInfo;
 
@@ -426,6 +447,19 @@ impl Arx {
         output: &mut CudaSlice<T>,
         stream: &CudaStream,
     ) -> Result<()> {
+        self.allreduce_op(input, output, Op::Sum, stream)
+    }
+
+    /// [`Arx::allreduce`] with the reduction `op` (see [`Op`] for its exact
+    /// rule). Every rank must pass the same op: ranks that differ all fail
+    /// that call with [`Error::CallMismatch`].
+    pub fn allreduce_op<T: Element + DeviceRepr>(
+        &mut self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        op: Op,
+        stream: &CudaStream,
+    ) -> Result<()> {
         self.device.same_context(stream)?;
         if input.len() != output.len() {
             let e = Error::InvalidArgument(format!(
@@ -441,7 +475,10 @@ impl Arx {
         // SAFETY: both slices are live device allocations of `n` elements of
         // T in this context (checked), borrowed until the launch is enqueued;
         // cudarc's events order later uses of them after the kernel.
-        unsafe { self.device.gpu_call(i, o, n, T::DTYPE, stream.cu_stream()) }
+        unsafe {
+            self.device
+                .gpu_call(i, o, n, T::DTYPE, op, stream.cu_stream())
+        }
     }
 
     /// In-place variant of [`Arx::allreduce`]: `buf` holds this rank's
@@ -451,13 +488,27 @@ impl Arx {
         buf: &mut CudaSlice<T>,
         stream: &CudaStream,
     ) -> Result<()> {
+        self.allreduce_in_place_op(buf, Op::Sum, stream)
+    }
+
+    /// [`Arx::allreduce_in_place`] with the reduction `op` (see
+    /// [`Arx::allreduce_op`]).
+    pub fn allreduce_in_place_op<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        op: Op,
+        stream: &CudaStream,
+    ) -> Result<()> {
         self.device.same_context(stream)?;
         let n = buf.len();
         let (p, _r) = buf.device_ptr_mut(stream);
         // SAFETY: as in `allreduce`; input and output may alias (each
         // element is read before it is written, and the partial is staged
         // before any output is written).
-        unsafe { self.device.gpu_call(p, p, n, T::DTYPE, stream.cu_stream()) }
+        unsafe {
+            self.device
+                .gpu_call(p, p, n, T::DTYPE, op, stream.cu_stream())
+        }
     }
 
     /// [`Arx::allreduce`] on raw device addresses, for interop with other
@@ -477,8 +528,29 @@ impl Arx {
         dtype: Dtype,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.allreduce_raw_op(input, output, count, dtype, Op::Sum, stream) }
+    }
+
+    /// [`Arx::allreduce_raw`] with the reduction `op` (see
+    /// [`Arx::allreduce_op`]).
+    ///
+    /// # Safety
+    /// As [`Arx::allreduce_raw`].
+    pub unsafe fn allreduce_raw_op(
+        &mut self,
+        input: u64,
+        output: u64,
+        count: usize,
+        dtype: Dtype,
+        op: Op,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
         // SAFETY: the caller's contract is the same as `gpu_call`'s.
-        unsafe { self.device.gpu_call(input, output, count, dtype, stream) }
+        unsafe {
+            self.device
+                .gpu_call(input, output, count, dtype, op, stream)
+        }
     }
 
     /// Refuses this rank's part of the next call with `err`, as arx refuses
@@ -511,12 +583,29 @@ impl Arx {
     /// Sums `input` over all ranks into `output` (host memory). Every rank
     /// gets the same bits. Lengths must match each other and every rank's.
     pub fn allreduce_host<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
-        self.device.host_call(Some(input), output)
+        self.device.host_call(Some(input), output, Op::Sum)
     }
 
     /// In-place variant of [`Arx::allreduce_host`].
     pub fn allreduce_host_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
-        self.device.host_call(None, buf)
+        self.device.host_call(None, buf, Op::Sum)
+    }
+
+    /// [`Arx::allreduce_host`] with the reduction `op` (see
+    /// [`Arx::allreduce_op`]).
+    pub fn allreduce_host_op<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: Op,
+    ) -> Result<()> {
+        self.device.host_call(Some(input), output, op)
+    }
+
+    /// [`Arx::allreduce_host_in_place`] with the reduction `op` (see
+    /// [`Arx::allreduce_op`]).
+    pub fn allreduce_host_in_place_op<T: Element>(&mut self, buf: &mut [T], op: Op) -> Result<()> {
+        self.device.host_call(None, buf, op)
     }
 }
 

@@ -145,9 +145,16 @@ pub(crate) fn parity(seq: u64) -> usize {
     (seq & 1) as usize
 }
 
-/// Packs the flag word for call `seq` of `count` elements of `dtype`.
+/// Packs the flag word for call `seq` of `count` elements of `dtype`, summed
+/// (op 0: also the refusal and poison words).
 pub fn flag_word(seq: u64, dtype: u32, count: usize) -> u64 {
+    flag_word_op(seq, dtype, abi::ARX_OP_SUM, count)
+}
+
+/// [`flag_word`] with the reduction `op` (`ARX_OP_*`).
+pub fn flag_word_op(seq: u64, dtype: u32, op: u32, count: usize) -> u64 {
     ((seq & 0xffff_ffff) << abi::ARX_FLAG_SEQ_SHIFT)
+        | (u64::from(op & abi::ARX_FLAG_OP_MASK) << abi::ARX_FLAG_OP_SHIFT)
         | (u64::from(dtype & abi::ARX_FLAG_DTYPE_MASK) << abi::ARX_FLAG_DTYPE_SHIFT)
         | (count as u64 & u64::from(abi::ARX_FLAG_COUNT_MASK))
 }
@@ -157,7 +164,8 @@ pub fn flag_seq(flag: u64) -> u32 {
     (flag >> abi::ARX_FLAG_SEQ_SHIFT) as u32
 }
 
-/// The dtype and the element count of a flag word (of a chunk, for a call
+/// The dtype (without the op bits above it) and the element count of a
+/// flag word (of a chunk, for a call
 /// longer than one slot: without `ARX_FLAG_MORE`, see [`flag_more`]).
 pub fn flag_call(flag: u64) -> (u32, usize) {
     let count = u64::from(abi::ARX_FLAG_COUNT_MASK & !abi::ARX_FLAG_MORE);

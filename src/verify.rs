@@ -152,9 +152,9 @@ pub fn input<T: Element>(seed: u64, call: u64, rank: usize, count: usize) -> Vec
 
 /// Like [`input`], with the values that break assumptions at seeded
 /// positions (the same positions on every rank): −0.0 on every rank, ±0.0
-/// mixed, NaN on one rank, +Inf on one rank and −Inf on another, +Inf on
-/// every rank, subnormals of `T`, values whose sum overflows `T`, and
-/// values whose sum cancels exactly.
+/// mixed, NaN on rank 0 (and elsewhere on rank 1 only), +Inf on one rank
+/// and −Inf on another, +Inf on every rank, subnormals of `T`, values whose
+/// sum overflows `T`, and values whose sum cancels exactly.
 pub fn input_edges<T: Element>(seed: u64, call: u64, rank: usize, count: usize) -> Vec<T> {
     let mut v = input::<T>(seed, call, rank, count);
     let f = format(T::DTYPE);
@@ -178,6 +178,9 @@ pub fn input_edges<T: Element>(seed: u64, call: u64, rank: usize, count: usize) 
             5 => Some(tiny * (1 + r % 3) as f32 * if r % 2 == 0 { 1.0 } else { -1.0 }),
             6 => Some(big),
             7 => Some(if r % 2 == 0 { 3.0 } else { -3.0 }),
+            // NaN on one rank that is not the first (max/min must keep it
+            // although earlier ranks' values are numbers).
+            8 if r == 1 => Some(f32::NAN),
             _ => None,
         };
         if let Some(e) = e {
@@ -201,6 +204,87 @@ pub fn reference<T: Element>(inputs: &[Vec<T>]) -> Vec<T> {
             from_bits(f.encode(f64::from(acc)))
         })
         .collect()
+}
+
+/// The reduction `op` computed independently of the library (see the
+/// module docs): sum as [`reference()`]; max/min by f64 comparison with
+/// −0 < +0 and any NaN giving NaN; avg as the f32 sum divided once in f32 by
+/// the number of ranks. One rounding to `T` (a NaN to `T`'s canonical NaN).
+pub fn reference_op<T: Element>(op: crate::Op, inputs: &[Vec<T>]) -> Vec<T> {
+    use crate::Op;
+    if op == Op::Sum {
+        return reference(inputs);
+    }
+    let count = inputs.first().map_or(0, |v| v.len());
+    let f = format(T::DTYPE);
+    // Order key: the value, then the sign of a zero (−0 below +0).
+    let key = |x: f64| {
+        (
+            x,
+            if x == 0.0 && x.is_sign_negative() {
+                0
+            } else {
+                1
+            },
+        )
+    };
+    (0..count)
+        .map(|i| {
+            let vals: Vec<f64> = inputs.iter().map(|x| f.decode(bits_of(&x[i]))).collect();
+            let r: f64 = match op {
+                _ if op != Op::Avg && vals.iter().any(|v| v.is_nan()) => f64::NAN,
+                Op::Max => vals[1..]
+                    .iter()
+                    .fold(vals[0], |m, &v| if key(v) > key(m) { v } else { m }),
+                Op::Min => vals[1..]
+                    .iter()
+                    .fold(vals[0], |m, &v| if key(v) < key(m) { v } else { m }),
+                _ => {
+                    let mut acc = vals[0] as f32;
+                    for v in &vals[1..] {
+                        acc += *v as f32;
+                    }
+                    f64::from(acc / inputs.len() as f32)
+                }
+            };
+            from_bits(f.encode(r))
+        })
+        .collect()
+}
+
+/// The expected result of `op` on call `call` over `world` ranks
+/// ([`input_edges`] if `edges`, else [`input`]).
+pub fn expected_op<T: Element>(
+    op: crate::Op,
+    edges: bool,
+    seed: u64,
+    call: u64,
+    world: usize,
+    count: usize,
+) -> Vec<T> {
+    let inputs: Vec<Vec<T>> = (0..world)
+        .map(|r| {
+            if edges {
+                input_edges(seed, call, r, count)
+            } else {
+                input(seed, call, r, count)
+            }
+        })
+        .collect();
+    reference_op(op, &inputs)
+}
+
+/// Number of elements whose bits differ from `want`'s for `op`: exactly,
+/// NaN included, for max, min and avg (their NaN is canonical); as
+/// [`count_wrong`] for sum.
+pub fn count_wrong_op<T: Element>(op: crate::Op, got: &[T], want: &[T]) -> usize {
+    if op == crate::Op::Sum || got.len() != want.len() {
+        return count_wrong(got, want);
+    }
+    got.iter()
+        .zip(want)
+        .filter(|(g, w)| bits_of(*g) != bits_of(*w))
+        .count()
 }
 
 /// The expected result of call `call` over `world` ranks ([`input`]).

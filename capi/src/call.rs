@@ -7,7 +7,7 @@
 
 use std::ffi::c_void;
 
-use arx::{Arx, Dtype, Element};
+use arx::{Arx, Dtype, Element, Op};
 use half::{bf16, f16};
 
 use crate::error::Failure;
@@ -25,14 +25,16 @@ pub(crate) fn dtype(d: RawDataType) -> Result<Dtype, Failure> {
     }
 }
 
-/// Checks the operation (only arxSum exists).
-pub(crate) fn op(o: RawRedOp) -> Result<(), Failure> {
-    if o == arxRedOp_t::arxSum as RawRedOp {
-        Ok(())
-    } else {
-        Err(Failure::invalid(format!(
-            "op {o} is not an arxRedOp_t (arxSum)"
-        )))
+/// The operation of a C op value.
+pub(crate) fn op(o: RawRedOp) -> Result<Op, Failure> {
+    match o {
+        x if x == arxRedOp_t::arxSum as RawRedOp => Ok(Op::Sum),
+        x if x == arxRedOp_t::arxMax as RawRedOp => Ok(Op::Max),
+        x if x == arxRedOp_t::arxMin as RawRedOp => Ok(Op::Min),
+        x if x == arxRedOp_t::arxAvg as RawRedOp => Ok(Op::Avg),
+        x => Err(Failure::invalid(format!(
+            "op {x} is not an arxRedOp_t (arxSum, arxMax, arxMin, arxAvg)"
+        ))),
     }
 }
 
@@ -40,6 +42,7 @@ pub(crate) fn op(o: RawRedOp) -> Result<(), Failure> {
 /// bytes without overflow, and either the same address (in place) or
 /// disjoint.
 pub(crate) struct Buffers {
+    pub op: Op,
     pub send: usize,
     pub recv: usize,
     pub count: usize,
@@ -52,6 +55,7 @@ impl Buffers {
         recv: *mut c_void,
         count: usize,
         dtype: Dtype,
+        op: Op,
     ) -> Result<Self, Failure> {
         if send.is_null() || recv.is_null() {
             return Err(Failure::invalid(format!(
@@ -81,6 +85,7 @@ impl Buffers {
             )));
         }
         Ok(Buffers {
+            op,
             send: s,
             recv: r,
             count,
@@ -125,11 +130,11 @@ unsafe fn host_typed<T: Element>(arx: &mut Arx, b: &Buffers) -> Result<(), Failu
     // isize), valid and unshared for the call (the caller's contract).
     let out = unsafe { std::slice::from_raw_parts_mut(b.recv as *mut T, b.count) };
     let r = if b.in_place() {
-        arx.allreduce_host_in_place(out)
+        arx.allreduce_host_in_place_op(out, b.op)
     } else {
         // SAFETY: as `out`; disjoint from it (checked).
         let input = unsafe { std::slice::from_raw_parts(b.send as *const T, b.count) };
-        arx.allreduce_host(input, out)
+        arx.allreduce_host_op(input, out, b.op)
     };
     r.map_err(Failure::from)
 }
@@ -148,11 +153,12 @@ pub(crate) unsafe fn device(
     // SAFETY: the caller's contract is `allreduce_raw`'s; the runtime's
     // `cudaStream_t` and the driver's `CUstream` are the same handle.
     unsafe {
-        arx.allreduce_raw(
+        arx.allreduce_raw_op(
             b.send as u64,
             b.recv as u64,
             b.count,
             b.dtype,
+            b.op,
             stream.cast(),
         )
     }

@@ -270,8 +270,8 @@ pub unsafe extern "C" fn arxAllReduce(
 ) -> RawResult {
     let f = |c: &arxComm, st: &mut comm::State| {
         let d = call::dtype(datatype)?;
-        call::op(op)?;
-        let b = call::Buffers::check(sendbuff, recvbuff, count, d)?;
+        let o = call::op(op)?;
+        let b = call::Buffers::check(sendbuff, recvbuff, count, d, o)?;
         if !c.gpu() {
             return Err(Failure::usage(
                 "this comm runs the host side (no usable GPU on some rank, or arxDeviceHost): \
@@ -305,8 +305,8 @@ pub unsafe extern "C" fn arxAllReduceHost(
 ) -> RawResult {
     let f = |_: &arxComm, st: &mut comm::State| {
         let d = call::dtype(datatype)?;
-        call::op(op)?;
-        let b = call::Buffers::check(sendbuff, recvbuff, count, d)?;
+        let o = call::op(op)?;
+        let b = call::Buffers::check(sendbuff, recvbuff, count, d, o)?;
         // SAFETY: the buffers are the caller's contract.
         unsafe { call::host(&mut st.arx, &b) }
     };

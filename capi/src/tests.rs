@@ -38,6 +38,7 @@ fn every_error_variant_has_its_code() {
         kind,
         count: 3,
         more: false,
+        op: arx::Op::Sum,
     };
     let mismatch = |theirs| Error::CallMismatch {
         seq: 1,
@@ -222,7 +223,7 @@ fn config_framing_and_values_are_checked() {
 }
 
 fn buffers(s: usize, r: usize, count: usize, d: Dtype) -> Result<Buffers, Failure> {
-    Buffers::check(s as *const c_void, r as *mut c_void, count, d)
+    Buffers::check(s as *const c_void, r as *mut c_void, count, d, arx::Op::Sum)
 }
 
 #[test]
@@ -270,7 +271,16 @@ fn datatypes_and_ops() {
     for bad in [-1, arxNumTypes as RawDataType, 99] {
         assert!(crate::call::dtype(bad).is_err());
     }
-    assert!(crate::call::op(arxRedOp_t::arxSum as RawRedOp).is_ok());
+    for (c, o) in [
+        (arxRedOp_t::arxSum, arx::Op::Sum),
+        (arxRedOp_t::arxMax, arx::Op::Max),
+        (arxRedOp_t::arxMin, arx::Op::Min),
+        (arxRedOp_t::arxAvg, arx::Op::Avg),
+    ] {
+        assert_eq!(crate::call::op(c as RawRedOp).ok(), Some(o));
+    }
+    // 1 is NCCL's product: refused, never mistaken for another op.
+    assert!(crate::call::op(1).is_err());
     assert!(crate::call::op(arxRedOp_t::arxNumOps as RawRedOp).is_err());
     assert!(crate::call::op(-1).is_err());
 }

@@ -74,15 +74,30 @@ pub enum arxDataType_t {
     arxNumTypes = 3,
 }
 
-/// Reduction operation.
+/// Reduction operation (the values of NCCL's `ncclRedOp_t`, so that a
+/// ported call never silently changes op: 1, NCCL's product, is refused).
+/// Every rank must pass the same op (ranks that differ all fail the call
+/// with `arxCallMismatch`). Each op combines the ranks' values widened
+/// exactly to fp32, in rank order, and rounds once to the element type;
+/// the same bits on every rank, GPU and host side alike.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum arxRedOp_t {
     /// Sum: every element is `((p0 + p1) + p2) + ...` over the ranks'
     /// partials in rank order, in fp32, rounded once to the element type.
     arxSum = 0,
-    /// Number of operations.
-    arxNumOps = 1,
+    /// Maximum, IEEE 754-2019 `maximum`: any NaN gives the canonical quiet
+    /// NaN of the type (bf16 0x7fc0, f16 0x7e00, f32 0x7fc00000), and
+    /// -0.0 < +0.0. Exact.
+    arxMax = 2,
+    /// Minimum, IEEE 754-2019 `minimum` (NaN and zeros as `arxMax`). Exact.
+    arxMin = 3,
+    /// Average: the fp32 sum exactly as `arxSum` computes it, divided once
+    /// in fp32 by the number of ranks (correctly rounded), then rounded to
+    /// the element type: two roundings after the sum. A NaN is canonical.
+    arxAvg = 4,
+    /// One past the largest operation value.
+    arxNumOps = 5,
 }
 
 /// `arxConfig_t.device`: who writes partials and sums them (`ARX_DEVICE`).

@@ -98,6 +98,21 @@ pub(super) fn chain<T: Element>(
     (next, tol)
 }
 
+/// As [`want`] for `op`: other ops than sum are arx's only (the MPI and
+/// NCCL columns are not run for them), checked exactly against
+/// `verify::reference_op`.
+pub(super) fn want_op<T: Element>(
+    op: arx::Op,
+    inputs: &[Vec<T>],
+    tolerant: bool,
+) -> (Vec<T>, Option<Vec<f64>>) {
+    if op == arx::Op::Sum {
+        want(inputs, tolerant)
+    } else {
+        (verify::reference_op(op, inputs), None)
+    }
+}
+
 /// (wrong, inexact) of this rank's `got`.
 fn judge<T: Element>(got: &[T], want: &[T], tol: Option<&[f64]>) -> (u64, u64) {
     let Some(tol) = tol else {

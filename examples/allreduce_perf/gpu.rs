@@ -22,10 +22,11 @@ impl Who<'_> {
         &mut self,
         din: &CudaSlice<T>,
         dout: &mut CudaSlice<T>,
+        op: arx::Op,
         s: &Arc<CudaStream>,
     ) -> Result<(), String> {
         match self {
-            Who::Arx(a) => a.allreduce(din, dout, s).map_err(|e| e.to_string()),
+            Who::Arx(a) => a.allreduce_op(din, dout, op, s).map_err(|e| e.to_string()),
             Who::Nccl(n) => {
                 let (src, _a) = din.device_ptr(s);
                 let (dst, _b) = dout.device_ptr_mut(s);
@@ -40,10 +41,13 @@ impl Who<'_> {
     fn inp<T: Element + DeviceRepr>(
         &mut self,
         buf: &mut CudaSlice<T>,
+        op: arx::Op,
         s: &Arc<CudaStream>,
     ) -> Result<(), String> {
         match self {
-            Who::Arx(a) => a.allreduce_in_place(buf, s).map_err(|e| e.to_string()),
+            Who::Arx(a) => a
+                .allreduce_in_place_op(buf, op, s)
+                .map_err(|e| e.to_string()),
             Who::Nccl(n) => {
                 let len = buf.len();
                 let (p, _g) = buf.device_ptr_mut(s);
@@ -270,7 +274,7 @@ pub(super) fn run_gpu(
                 if let Some((a, b)) = &row.nccl {
                     g.extend([gpu(a), gpu(b)]);
                 }
-                print_table_row(size, count, dt, &g);
+                print_table_row(size, count, dt, run.op, &g);
                 for c in cols {
                     run.report.record(size, count, dt, launch, n, c);
                 }
@@ -411,10 +415,11 @@ fn one<T: Element + DeviceRepr>(
     s: &Arc<CudaStream>,
     a: &mut CudaSlice<T>,
     out: Option<&mut CudaSlice<T>>,
+    op: arx::Op,
 ) -> Result<(), String> {
     match out {
-        Some(o) => who.oop(a, o, s),
-        None => who.inp(a, s),
+        Some(o) => who.oop(a, o, op, s),
+        None => who.inp(a, op, s),
     }
 }
 
@@ -431,7 +436,7 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     in_place: bool,
     count: usize,
 ) -> Result<Col, String> {
-    let (args, world, check) = (run.args, run.world, run.check);
+    let (args, world, check, op) = (run.args, run.world, run.check, run.op);
     let rank = world.rank() as usize;
     let n = world.size() as usize;
     let seed = 0xa11_0ced;
@@ -458,16 +463,16 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
         // NCCL connects its transports at a communicator's first call of
         // each algorithm (NCCL_RUNTIME_CONNECT), host work that does not
         // belong inside a stream capture: one eager call first.
-        one(who, s, &mut a, b.as_mut()).map_err(ctx)?;
+        one(who, s, &mut a, b.as_mut(), op).map_err(ctx)?;
         s.synchronize().map_err(cuda("synchronize"))?;
     }
     let graph = if args.graph > 0 {
-        Some(capture(s, args.graph, || one(who, s, &mut a, b.as_mut())).map_err(ctx)?)
+        Some(capture(s, args.graph, || one(who, s, &mut a, b.as_mut(), op)).map_err(ctx)?)
     } else {
         None
     };
     let unit = |who: &mut Who, a: &mut CudaSlice<T>, b: Option<&mut CudaSlice<T>>| match &graph {
-        None => one(who, s, a, b),
+        None => one(who, s, a, b, op),
         Some(g) => g.launch().map_err(cuda("graph launch")),
     };
     let (med, p99, time) =
@@ -493,7 +498,7 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
             col.inexact += i;
         };
         if let Some(out) = b.as_ref() {
-            let (want, tol) = check::want(&inputs::<T>(seed, timed_call, n, count), nccl);
+            let (want, tol) = check::want_op(op, &inputs::<T>(seed, timed_call, n, count), nccl);
             add(check::tally(world, &down(s, out)?, &want, tol.as_deref()));
         }
         for _ in 0..3 {
@@ -505,12 +510,17 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
             }
             unit(who, &mut a, b.as_mut()).map_err(ctx)?;
             who.check().map_err(ctx)?;
-            let (mut want, mut tol) = check::want(&inputs::<T>(seed, run.call, n, count), nccl);
+            let (mut want, mut tol) =
+                check::want_op(op, &inputs::<T>(seed, run.call, n, count), nccl);
             if in_place {
-                // Every rank holds the previous sum at each call after the
-                // first of the unit.
+                // Every rank holds the previous result at each call after
+                // the first of the unit.
                 for _ in 1..per_unit {
-                    (want, tol) = check::chain(&want, tol.as_deref(), n);
+                    (want, tol) = if op == arx::Op::Sum {
+                        check::chain(&want, tol.as_deref(), n)
+                    } else {
+                        (verify::reference_op(op, &vec![want; n]), None)
+                    };
                 }
             }
             let got = down(s, b.as_ref().unwrap_or(&a))?;

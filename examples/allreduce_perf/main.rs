@@ -105,6 +105,11 @@ struct Args {
     /// Check every result against the reference (same as -c 1).
     #[arg(long)]
     check: bool,
+    /// Reduction: sum, max, min or avg (as nccl-tests' -o; prod is not
+    /// supported). Other ops than sum run the arx columns only (no MPI or
+    /// NCCL comparison), checked bit for bit by `--check`.
+    #[arg(short = 'o', long = "op", default_value = "sum")]
+    op: String,
     /// Data type: bfloat16, half, float or all.
     #[arg(short = 'd', long = "datatype", default_value = "all")]
     dtype: String,
@@ -146,6 +151,7 @@ struct Run<'a> {
     check: bool,
     report: Report,
     call: u64,
+    op: arx::Op,
 }
 
 fn main() -> ExitCode {
@@ -157,6 +163,12 @@ fn main() -> ExitCode {
     }
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let mut args = Args::parse();
+    // MPI and NCCL columns compare sums only (their max/min/avg are not
+    // arx's rule).
+    if args.op != "sum" {
+        args.no_mpi = true;
+        args.no_nccl = true;
+    }
     let universe = match mpi::initialize() {
         Some(u) => u,
         None => {
@@ -203,6 +215,8 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     if args.factor < 2 {
         return Err("-f must be at least 2".into());
     }
+    let op = arx::Op::from_name(&args.op)
+        .ok_or_else(|| format!("-o {}: expected sum, max, min or avg", args.op))?;
     let dtypes: Vec<&'static str> = match args.dtype.as_str() {
         "all" => vec!["bfloat16", "half", "float"],
         d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![dtype_name(d)],
@@ -221,6 +235,7 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         check: args.check || args.check_level > 0,
         report: Report::default(),
         call: 0,
+        op,
     };
     let mut sizes = vec![];
     let mut size = min;
@@ -326,6 +341,7 @@ fn common_header(run: &mut Run, d: &arx::Description, hosts: &[String], devices:
         }
     );
     println!("# MPI library: {mpi_lib}");
+    println!("# op: {}", run.op);
     println!(
         "# iters {} warmup {} check {} | times: {}{}",
         args.iters,
@@ -357,6 +373,7 @@ fn common_header(run: &mut Run, d: &arx::Description, hosts: &[String], devices:
             ("iters", J::Int(args.iters as i64)),
             ("warmup", J::Int(args.warmup as i64)),
             ("check", J::Bool(run.check)),
+            ("op", J::s(run.op.name())),
             ("average", J::Int(i64::from(args.across.code()))),
             ("average_rule", J::s(args.across.describe())),
             ("per_iter", J::Bool(args.per_iter)),
@@ -460,7 +477,7 @@ fn run_host(
                     g.push((vec![7], vec![sp]));
                     run.report.record(size, count, dt, "host", n, m);
                 }
-                print_table_row(size, count, dt, &g);
+                print_table_row(size, count, dt, run.op, &g);
             }
         }
     }
@@ -505,7 +522,7 @@ fn measure_host<T: Element>(
     arx: &mut Arx,
     size: usize,
 ) -> Result<Option<HostRow>, String> {
-    let (args, world, check) = (run.args, run.world, run.check);
+    let (args, world, check, op) = (run.args, run.world, run.check, run.op);
     let count = size / std::mem::size_of::<T>();
     if count == 0 {
         return Ok(None);
@@ -521,10 +538,12 @@ fn measure_host<T: Element>(
     let fail = |e: arx::Error| format!("{count} x {:?}: {e}", T::DTYPE);
 
     for _ in 0..args.warmup {
-        arx.allreduce_host(&input, &mut out).map_err(fail)?;
+        arx.allreduce_host_op(&input, &mut out, op).map_err(fail)?;
     }
     world.barrier();
-    let (per, mean) = back_to_back(iters, || arx.allreduce_host(&input, &mut out).map_err(fail))?;
+    let (per, mean) = back_to_back(iters, || {
+        arx.allreduce_host_op(&input, &mut out, op).map_err(fail)
+    })?;
     let (median_us, p99_us, time) = host_times(run, &per, mean);
     let mut col = Col {
         name: "arx",
@@ -539,14 +558,14 @@ fn measure_host<T: Element>(
     if check {
         // The timed calls' last result, then fresh inputs into poisoned
         // outputs.
-        let want = verify::expected::<T>(seed, timed_call, n, count);
+        let want = verify::expected_op::<T>(op, false, seed, timed_call, n, count);
         col.wrong += check::tally(world, &out, &want, None).0;
         for _ in 0..3 {
             run.call += 1;
             let inp = verify::input::<T>(seed, run.call, rank, count);
             verify::poison(&mut out);
-            arx.allreduce_host(&inp, &mut out).map_err(fail)?;
-            let want = verify::expected::<T>(seed, run.call, n, count);
+            arx.allreduce_host_op(&inp, &mut out, op).map_err(fail)?;
+            let want = verify::expected_op::<T>(op, false, seed, run.call, n, count);
             col.wrong += check::tally(world, &out, &want, None).0;
         }
     }

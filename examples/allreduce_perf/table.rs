@@ -132,9 +132,10 @@ pub(super) fn print_table_row(
     size: usize,
     count: usize,
     dtype: &str,
+    op: arx::Op,
     groups: &[(Vec<usize>, Vec<String>)],
 ) {
-    let mut s = format!("  {size:>10} {count:>10} {dtype:>9} {:>6}", "sum");
+    let mut s = format!("  {size:>10} {count:>10} {dtype:>9} {:>6}", op.name());
     for (ws, cs) in groups {
         let cells: Vec<String> = ws.iter().zip(cs).map(|(w, c)| format!("{c:>w$}")).collect();
         s.push_str(&format!(" | {}", cells.join(" ")));

@@ -8,7 +8,8 @@
  * expected sum itself (in rank order, fp32 accumulator, rounded once, with
  * its own fp16/bf16 conversions below, not the library's); outputs are
  * poisoned before each call and every rank's result bits are compared.
- * Then the failures: arguments refused locally (the comm stays usable), a
+ * max, min and avg are checked the same way, bit for bit (their NaN is the
+ * canonical one). Then the failures: arguments refused locally (the comm stays usable), a
  * device call on a host comm, a call whose count differs on one rank
  * (arxMismatch on every rank at once, and the comm stays failed), counts
  * beyond the slot (chunked: checked like the others; a total that differs
@@ -49,27 +50,33 @@ static void same_on_every_rank(const void *p, size_t bytes, const char *what) {
     free(all);
 }
 
-/* One checked call: out of place or in place. */
-static void checked_call(arxComm_t comm, int t, size_t count, int in_place, uint64_t call) {
+/* One checked call of operation `op`: out of place or in place. */
+static void checked_op_call(arxComm_t comm, int t, int op, size_t count, int in_place, uint64_t call) {
     size_t bytes = count * ref_size(t);
     unsigned char *send = malloc(bytes + 1), *recv = malloc(bytes + 1);
     unsigned char *expect = malloc(bytes + 1), *keep = malloc(bytes + 1);
-    ref_fill(t, call, rank, world, count, send, expect);
+    ref_fill_op(t, op, call, rank, world, count, send, expect);
     memcpy(keep, send, bytes);
     if (in_place) memcpy(recv, send, bytes);
     else memset(recv, REF_POISON, bytes);
-    arxResult_t r = in_place ? arxAllReduceHost(recv, recv, count, (arxDataType_t)t, arxSum, comm)
-                             : arxAllReduceHost(send, recv, count, (arxDataType_t)t, arxSum, comm);
+    arxRedOp_t o = (arxRedOp_t)op;
+    arxResult_t r = in_place ? arxAllReduceHost(recv, recv, count, (arxDataType_t)t, o, comm)
+                             : arxAllReduceHost(send, recv, count, (arxDataType_t)t, o, comm);
     char what[96];
-    snprintf(what, sizeof what, "%s x %zu %s (call %llu)", ref_type_name[t], count,
+    snprintf(what, sizeof what, "op %d: %s x %zu %s (call %llu)", op, ref_type_name[t], count,
              in_place ? "in place" : "out of place", (unsigned long long)call);
     CHECK(r == arxSuccess, "%s: %s: %s", what, arxGetErrorString(r), arxGetLastError(comm));
-    size_t first, wrong = ref_wrong(t, recv, expect, count, &first);
+    size_t first, wrong = op == REF_SUM ? ref_wrong(t, recv, expect, count, &first)
+                                        : ref_wrong_bits(t, recv, expect, count, &first);
     CHECK(wrong == 0, "%s: %zu wrong elements, first at %zu: got %a, expected %a", what, wrong,
           first, (double)ref_load(t, recv, first), (double)ref_load(t, expect, first));
     if (!in_place) CHECK(memcmp(send, keep, bytes) == 0, "%s: sendbuff was changed", what);
     same_on_every_rank(recv, bytes, what);
     free(send); free(recv); free(expect); free(keep);
+}
+
+static void checked_call(arxComm_t comm, int t, size_t count, int in_place, uint64_t call) {
+    checked_op_call(comm, t, REF_SUM, count, in_place, call);
 }
 
 static double now(void) { return MPI_Wtime(); }
@@ -117,6 +124,17 @@ int main(int argc, char **argv) {
             checked_call(comm, t, count, 0, call++);
             checked_call(comm, t, count, 1, call++);
         }
+    /* max, min, avg: every type, bit for bit (NaN by its canonical bits). */
+    const int ops[] = {arxMax, arxMin, arxAvg};
+    for (int o = 0; o < 3; o++)
+        for (int t = arxFloat32; t <= arxBfloat16; t++) {
+            checked_op_call(comm, t, ops[o], 1, 0, call++);
+            checked_op_call(comm, t, ops[o], 1001, 0, call++);
+            checked_op_call(comm, t, ops[o], 1001, 1, call++);
+        }
+    float a0[4] = {1, 2, 3, 4};
+    r = arxAllReduceHost(a0, a0, 4, arxFloat32, (arxRedOp_t)1, comm);
+    CHECK(r == arxInvalidArgument, "op 1 (NCCL's product): got %d", r);
 
     /* Arguments wrong on their face: refused on this rank before anything
      * is sent; the comm stays usable. Every rank makes the same calls. */
@@ -192,6 +210,8 @@ int main(int argc, char **argv) {
                 checked_call(comm, t, beyond[k], 0, call++);
                 checked_call(comm, t, beyond[k], 1, call++);
             }
+            checked_op_call(comm, t, arxMax, 2 * m + 3, 0, call++);
+            checked_op_call(comm, t, arxAvg, 2 * m + 3, 1, call++);
         }
         float *big = malloc(3072 * sizeof(float));
         for (int i = 0; i < 3072; i++) big[i] = (float)(i % 7 + 1);

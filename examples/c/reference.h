@@ -80,7 +80,8 @@ static uint64_t ref_mix(uint64_t x) { /* splitmix64 */
  * uniform in (-8, 8) with a full mantissa, and at positions chosen by
  * (call, i) alone, the same on every rank, the values that break
  * assumptions: -0.0 on every rank, subnormals of the type, sums that
- * overflow the type, sums that cancel exactly, NaN on rank 0. */
+ * overflow the type, sums that cancel exactly, NaN on rank 0, NaN on the
+ * last rank only, -0.0 and +0.0 mixed. */
 static float ref_input(int t, uint64_t call, int r, int world, size_t i) {
     uint64_t pick = ref_mix(call * 0x100000001b3ull ^ i) % 32;
     float tiny = t == REF_F32 ? 0x1p-149f : t == REF_F16 ? 0x1p-24f : 0x1p-133f;
@@ -91,6 +92,8 @@ static float ref_input(int t, uint64_t call, int r, int world, size_t i) {
     case 2: v = t == REF_F16 ? 60000.0f : 3.0e38f; break;
     case 3: v = (world % 2 == 0 || r != world - 1) ? (r % 2 ? -3.0f : 3.0f) : 0.0f; break;
     case 4: v = r == 0 ? NAN : 1.0f; break;
+    case 5: v = r % 2 ? 0.0f : -0.0f; break; /* +-0 ties (max +0, min -0) */
+    case 6: v = r == world - 1 ? NAN : 2.0f; break; /* NaN after numbers */
     default: {
         uint64_t x = ref_mix(ref_mix(call) ^ ref_mix((uint64_t)r + 0x51ed) ^ i);
         v = ((float)(x >> 40) / (float)(1u << 24) * 2.0f - 1.0f) * 8.0f;
@@ -122,6 +125,56 @@ static size_t ref_wrong(int t, const void *got, const void *expect, size_t count
                      : memcmp((const char *)got + i * sz, (const char *)expect + i * sz, sz) == 0;
         if (!ok && wrong++ == 0) *first = i;
     }
+    return wrong;
+}
+
+/* Operations as arxRedOp_t numbers them. */
+enum { REF_SUM = 0, REF_MAX = 2, REF_MIN = 3, REF_AVG = 4 };
+
+/* arx's max/min, written here: IEEE 754-2019 maximum/minimum (any NaN gives
+ * the canonical quiet NaN, -0 < +0). */
+static float ref_maxmin(int is_max, float a, float b) {
+    if (isnan(a) || isnan(b)) return ref_float(0x7fc00000u);
+    if (a == b) { /* equal: only the sign of a zero can differ */
+        int an = signbit(a) != 0, bn = signbit(b) != 0;
+        if (is_max) return (an && bn) ? a : fabsf(a);
+        return (an || bn) ? -fabsf(a) : a;
+    }
+    return (is_max ? a > b : a < b) ? a : b;
+}
+
+/* As ref_fill for operation `op`: max/min folded in rank order; avg the
+ * fp32 sum divided once in fp32 by the number of ranks (a NaN canonical). */
+static void ref_fill_op(int t, int op, uint64_t call, int r, int world, size_t count, void *input,
+                        void *expect) {
+    if (op == REF_SUM) {
+        ref_fill(t, call, r, world, count, input, expect);
+        return;
+    }
+    for (size_t i = 0; i < count; i++) {
+        ref_store(t, input, i, ref_input(t, call, r, world, i));
+        float acc = ref_input(t, call, 0, world, i);
+        if (op != REF_AVG && isnan(acc)) acc = ref_float(0x7fc00000u);
+        for (int p = 1; p < world; p++) {
+            float v = ref_input(t, call, p, world, i);
+            acc = op == REF_AVG ? acc + v : ref_maxmin(op == REF_MAX, acc, v);
+        }
+        if (op == REF_AVG) {
+            acc = acc / (float)world;
+            if (isnan(acc)) acc = ref_float(0x7fc00000u);
+        }
+        ref_store(t, expect, i, acc);
+    }
+}
+
+/* Elements of `got` whose bits differ from `expect`'s, NaN included (max,
+ * min and avg give the canonical NaN); the first in *first. */
+static size_t ref_wrong_bits(int t, const void *got, const void *expect, size_t count, size_t *first) {
+    size_t sz = ref_size(t), wrong = 0;
+    *first = 0;
+    for (size_t i = 0; i < count; i++)
+        if (memcmp((const char *)got + i * sz, (const char *)expect + i * sz, sz) != 0 && wrong++ == 0)
+            *first = i;
     return wrong;
 }
 

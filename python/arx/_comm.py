@@ -166,6 +166,12 @@ class Comm:
         gets the same bits: partials added in rank order in float32, rounded
         once.
 
+        ``op`` is ``"sum"``, ``"max"``, ``"min"`` or ``"avg"`` (the same on
+        every rank: ranks that differ all fail with a mismatch). max/min:
+        IEEE 754-2019 maximum/minimum (any NaN gives the dtype's canonical
+        NaN, -0.0 < +0.0), exact; avg: the float32 sum, divided once in
+        float32 by the number of ranks, then rounded to the dtype.
+
         * NumPy arrays / host buffers: float32, float16 (bfloat16: uint16
           arrays of bfloat16 bits with ``dtype="bfloat16"``, or ml_dtypes
           bfloat16 arrays); C-contiguous; returns when done.
@@ -183,8 +189,8 @@ class Comm:
         c = self._c
         if c is None:
             raise ClosedError("this arx.Comm is closed")
-        if op != "sum":
-            c.refuse(_count(x), f"op={op!r}: arx reduces with op='sum' only")
+        if op not in ("sum", "max", "min", "avg"):
+            c.refuse(_count(x), f"op={op!r}: arx reduces with op='sum', 'max', 'min' or 'avg'")
         kind = _kind(x)
         if out is not None and out is not x and _kind(out) != kind:
             c.refuse(
@@ -206,19 +212,19 @@ class Comm:
                     )
             tx = torch.from_dlpack(x)
             tout = None if out is None or out is x else torch.from_dlpack(out)
-            self.allreduce(tx, tout, stream=stream)
+            self.allreduce(tx, tout, op, stream=stream)
             return x if out is None else out
         if kind == "torch-cuda":
-            self._torch_cuda(x, out, stream)
+            self._torch_cuda(x, out, stream, op)
         elif kind == "cai":
-            self._cai(x, out, stream)
+            self._cai(x, out, stream, op)
         elif kind == "torch-cpu":
-            self._torch_cpu(x, out)
+            self._torch_cpu(x, out, op)
         else:
-            self._host(x, out, dtype)
+            self._host(x, out, dtype, op)
         return x if out is None else out
 
-    def _host(self, x, out, dtype):
+    def _host(self, x, out, dtype, op):
         # ml_dtypes' bfloat16 arrays cannot be exported as buffers: their
         # bits go as uint16.
         if dtype is None and getattr(getattr(x, "dtype", None), "name", None) == "bfloat16":
@@ -227,9 +233,9 @@ class Comm:
                 if getattr(getattr(out, "dtype", None), "name", None) == "bfloat16":
                     out = out.view("uint16")
             dtype = "bfloat16"
-        self._c.allreduce_host(x, out, dtype)
+        self._c.allreduce_host(x, out, dtype, op)
 
-    def _torch_cpu(self, x, out):
+    def _torch_cpu(self, x, out, op):
         c = self._c
         torch = _torch()
 
@@ -245,9 +251,9 @@ class Comm:
         bf16 = x.dtype == torch.bfloat16
         xv = host_view(x, "the input")
         ov = None if out is None or out is x else host_view(out, "out")
-        c.allreduce_host(xv, ov, "bfloat16" if bf16 else None)
+        c.allreduce_host(xv, ov, "bfloat16" if bf16 else None, op)
 
-    def _torch_cuda(self, x, out, stream):
+    def _torch_cuda(self, x, out, stream, red):
         c = self._c
         torch = _torch()
         tensors = [("the input", x)] + ([] if out is None or out is x else [("out", out)])
@@ -267,9 +273,9 @@ class Comm:
             stream = torch.cuda.current_stream(x.device)
         (ip, n, dt) = args[0]
         (op, on, odt) = args[-1]
-        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream))
+        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream), red)
 
-    def _cai(self, x, out, stream):
+    def _cai(self, x, out, stream, red):
         c = self._c
         arrays = [("the input", x)] + ([] if out is None or out is x else [("out", out)])
         args = []
@@ -308,7 +314,7 @@ class Comm:
             stream = self._cai_stream(x, x.__cuda_array_interface__)
         (ip, n, dt) = args[0]
         (op, on, odt) = args[-1]
-        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream))
+        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream), red)
 
     @staticmethod
     def _cai_stream(x, ai):

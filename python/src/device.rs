@@ -121,8 +121,13 @@ pub(crate) fn check(
 /// (checked by [`check`] for device and overlap), valid until the work
 /// completes on `stream`, a live stream (or a special handle: 0, 1 legacy,
 /// 2 per-thread) of the instance's context.
-pub(crate) unsafe fn run(arx: &mut Arx, c: &DeviceCall, stream: u64) -> arx::Result<()> {
+pub(crate) unsafe fn run(
+    arx: &mut Arx,
+    c: &DeviceCall,
+    stream: u64,
+    op: arx::Op,
+) -> arx::Result<()> {
     let stream = stream as usize as sys::CUstream;
     // SAFETY: the caller's contract, which is `allreduce_raw`'s.
-    unsafe { arx.allreduce_raw(c.input, c.out, c.count, c.dtype, stream) }
+    unsafe { arx.allreduce_raw_op(c.input, c.out, c.count, c.dtype, op, stream) }
 }

@@ -198,20 +198,20 @@ pub(crate) fn pair(input: &HostBuf, out: Option<&HostBuf>) -> Result<HostCall, E
 /// and [`pair`] (C-contiguous, aligned, `count` elements of `c.dtype`, the
 /// output writable, input and output identical or disjoint), held until
 /// this returns, and nothing else accesses them meanwhile.
-pub(crate) unsafe fn run(arx: &mut Arx, c: &HostCall) -> arx::Result<()> {
+pub(crate) unsafe fn run(arx: &mut Arx, c: &HostCall, op: arx::Op) -> arx::Result<()> {
     // SAFETY: the caller's contract.
     unsafe {
         match c.dtype {
-            Dtype::F32 => typed::<f32>(arx, c),
-            Dtype::F16 => typed::<half::f16>(arx, c),
-            Dtype::Bf16 => typed::<half::bf16>(arx, c),
+            Dtype::F32 => typed::<f32>(arx, c, op),
+            Dtype::F16 => typed::<half::f16>(arx, c, op),
+            Dtype::Bf16 => typed::<half::bf16>(arx, c, op),
         }
     }
 }
 
 /// # Safety
 /// As [`run`], with `T` the element type of `c.dtype`.
-unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall) -> arx::Result<()> {
+unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall, op: arx::Op) -> arx::Result<()> {
     let (out_addr, out_n) = c.out;
     let out: &mut [T] = if out_n == 0 {
         &mut []
@@ -221,7 +221,7 @@ unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall) -> arx::Result<()>
         unsafe { std::slice::from_raw_parts_mut(out_addr as *mut T, out_n) }
     };
     match c.input {
-        None => arx.allreduce_host_in_place(out),
+        None => arx.allreduce_host_in_place_op(out, op),
         Some((in_addr, in_n)) => {
             let input: &[T] = if in_n == 0 {
                 &[]
@@ -230,7 +230,7 @@ unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall) -> arx::Result<()>
                 // `in_n` elements of T, disjoint from `out` (checked by `pair`).
                 unsafe { std::slice::from_raw_parts(in_addr as *const T, in_n) }
             };
-            arx.allreduce_host(input, out)
+            arx.allreduce_host_op(input, out, op)
         }
     }
 }

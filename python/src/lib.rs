@@ -284,18 +284,21 @@ impl Comm {
 
     /// Host call on buffers (NumPy arrays): `input` into `out`, or in place
     /// when `out` is None or the same memory. `dtype="bfloat16"` reads
-    /// 16-bit integer buffers as bfloat16 bits.
-    #[pyo3(signature = (input, out=None, dtype=None))]
+    /// 16-bit integer buffers as bfloat16 bits; `op` is "sum", "max", "min"
+    /// or "avg" (`arx::Op`).
+    #[pyo3(signature = (input, out=None, dtype=None, op="sum"))]
     fn allreduce_host(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
         input: &Bound<'_, PyAny>,
         out: Option<&Bound<'_, PyAny>>,
         dtype: Option<&str>,
+        op: &str,
     ) -> PyResult<()> {
         let mut me = borrow(py, slf)?;
         let arx = me.instance().map_err(|u| usage_err(py, u))?;
         let checked = (|| {
+            let op = op_named(op)?;
             let bf16 = match dtype {
                 None => false,
                 Some("bfloat16" | "bf16") => true,
@@ -309,9 +312,9 @@ impl Comm {
             let i = host::view(input, "input", out.is_none(), bf16)?;
             let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
             let call = host::pair(&i, o.as_ref())?;
-            Ok((i, o, call))
+            Ok((i, o, call, op))
         })();
-        let (i, o, call) = match checked {
+        let (i, o, call, op) = match checked {
             Ok(c) => c,
             Err(e) => {
                 let e = arx.refuse_call(host::count_hint(input), e);
@@ -324,7 +327,7 @@ impl Comm {
             // SAFETY: `i` and `o` hold the exports checked by `view` and
             // `pair` until after this call; the GIL is released, and the
             // docs tell callers not to touch the arrays during the call.
-            unsafe { host::run(arx.0, &call) }
+            unsafe { host::run(arx.0, &call, op) }
         });
         drop((i, o));
         r.map_err(|e| arx_err(py, e))
@@ -334,7 +337,7 @@ impl Comm {
     /// on `stream`. Private: `arx.Comm.allreduce` passes addresses of live
     /// tensors it holds; `in_bytes`/`out_bytes` are their extents, for the
     /// overlap check.
-    #[pyo3(signature = (input, out, count, out_count, dtype, out_dtype, stream))]
+    #[pyo3(signature = (input, out, count, out_count, dtype, out_dtype, stream, op="sum"))]
     #[allow(clippy::too_many_arguments)]
     fn allreduce_device(
         slf: &Bound<'_, Self>,
@@ -346,10 +349,14 @@ impl Comm {
         dtype: &str,
         out_dtype: &str,
         stream: u64,
+        op: &str,
     ) -> PyResult<()> {
         let mut me = borrow(py, slf)?;
         let arx = me.instance().map_err(|u| usage_err(py, u))?;
-        let call = match device::check(arx, input, out, count, out_count, dtype, out_dtype) {
+        let checked = op_named(op).and_then(|op| {
+            device::check(arx, input, out, count, out_count, dtype, out_dtype).map(|c| (c, op))
+        });
+        let (call, op) = match checked {
             Ok(c) => c,
             Err(e) => return Err(arx_err(py, arx.refuse_call(count, e))),
         };
@@ -360,7 +367,7 @@ impl Comm {
             // counts and current stream of live CUDA tensors/arrays it holds
             // (on this instance's device: checked by `device::check`); the
             // work is ordered on `stream` like any kernel of the framework.
-            unsafe { device::run(arx.0, &call, stream) }
+            unsafe { device::run(arx.0, &call, stream, op) }
         });
         r.map_err(|e| arx_err(py, e))
     }
@@ -405,6 +412,15 @@ unsafe impl Send for SendArx<'_> {}
 struct SendComm(mpi::ffi::MPI_Comm);
 // SAFETY: a plain handle, used on the calling thread only.
 unsafe impl Send for SendComm {}
+
+/// The op named `s` ("sum", "max", "min", "avg").
+fn op_named(s: &str) -> arx::Result<arx::Op> {
+    arx::Op::from_name(s).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "op={s:?}: arx reduces with op='sum', 'max', 'min' or 'avg'"
+        ))
+    })
+}
 
 pub(crate) fn dtype_name(d: Dtype) -> &'static str {
     match d {

@@ -20,8 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 import arx
-from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, case, check, expect_error,
-                     expected, main, note, partial, poison, same_bits, widen, wrong)
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, bits, case, check, expect_error,
+                     expected, main, narrow, note, partial, poison, same_bits, widen, wrong)
 
 
 def call_and_check(comm, case_id, n, dtype, in_place, name, shape=None, sub=None):
@@ -157,6 +157,81 @@ def torch_cpu_tensors_if_present():
         check(same_bits(t.numpy(), expected(parts, "float32")), "torch.ops.arx.all_reduce on CPU")
 
 
+CANONICAL_NAN = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def op_expected(parts, dtype, op):
+    """max/min (IEEE 754-2019 maximum/minimum: NaN gives NaN, -0 < +0) or avg
+    (float32 sum, one float32 division by the rank count), written here with
+    NumPy comparisons; any NaN result is the dtype's canonical NaN."""
+    acc = widen(parts[0], dtype).copy()
+    for p in parts[1:]:
+        b = widen(p, dtype)
+        if op == "avg":
+            acc = acc + b
+            continue
+        a = acc
+        both_neg, one_neg = np.signbit(a) & np.signbit(b), np.signbit(a) | np.signbit(b)
+        with np.errstate(invalid="ignore"):
+            if op == "max":
+                tie = np.where(both_neg, a, np.abs(a))
+                acc = np.where(a > b, a, np.where(a < b, b, tie))
+            else:
+                tie = np.where(one_neg, -np.abs(a), a)
+                acc = np.where(a < b, a, np.where(a > b, b, tie))
+        acc = np.where(np.isnan(a) | np.isnan(b), np.float32(np.nan), acc).astype(np.float32)
+    if op == "avg":
+        acc = (acc / np.float32(len(parts))).astype(np.float32)
+    nan = np.isnan(acc)
+    want = narrow(np.where(nan, np.float32(0), acc).astype(np.float32), dtype)
+    bits(want)[nan] = CANONICAL_NAN[dtype]
+    return want
+
+
+@case
+def max_min_avg_bit_for_bit():
+    """op="max", "min", "avg" on every dtype, in place and out of place,
+    with signed-zero ties, NaN on the last rank only, +Inf on rank 0 and a
+    subnormal; the result bits equal the reference's, NaN included."""
+    with arx.Comm(WORLD) as comm:
+        m = comm.describe()["max_count"]["float32"]
+        cid = 600
+        for op in ("max", "min", "avg"):
+            for dtype in ("float32", "float16", "bfloat16"):
+                for n in (1, 1001, m + 3):
+                    for in_place in (True, False):
+                        cid += 1
+                        parts = []
+                        for r in range(SIZE):
+                            p = partial(cid, n, dtype, r)
+                            v = widen(p, dtype).copy()
+                            if n > 8:
+                                v[5] = np.nan if r == SIZE - 1 else 1.0
+                                v[6] = np.inf if r == 0 else -2.0
+                                v[7] = np.float32(2.0 ** -133) * (1 + r)
+                            parts.append(narrow(v, dtype) if n > 8 else p)
+                        want = op_expected(parts, dtype, op)
+                        mine = parts[RANK].copy()
+                        kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+                        name = f"{op} {dtype} n={n} in_place={in_place}"
+                        if in_place:
+                            got = comm.allreduce(mine, op=op, **kw)
+                        else:
+                            got = poison(n, dtype)
+                            comm.allreduce(mine, got, op=op, **kw)
+                        check(same_bits(got, want), f"{name}: {wrong(got, want)}")
+
+
+@case
+def a_mismatched_op_fails_every_rank_at_once():
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        x = partial(7, 256, "float32", RANK)
+        op = "max" if RANK == 0 else "sum"
+        e, dt = expect_error(lambda: comm.allreduce(x, op=op), arx.CallMismatchError,
+                             contains=("max of 256",), name="op mismatch")
+        check(dt < PROMPT, f"op mismatch: took {dt:.1f} s")
+
+
 @case
 def a_mismatched_count_fails_every_rank_at_once():
     with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
@@ -216,7 +291,7 @@ def bad_arguments_raise_clear_errors():
         ("same start, other length", lambda c: c.allreduce(buf[:60], buf[:50]), ("overlap",)),
         ("length", lambda c: c.allreduce(f32, np.zeros(63, np.float32)), ("64", "63")),
         ("dtype pair", lambda c: c.allreduce(f32, np.zeros(64, np.float16)), ("float32", "float16")),
-        ("op", lambda c: c.allreduce(f32, op="max"), ("op='max'",)),
+        ("op", lambda c: c.allreduce(f32, op="prod"), ("op='prod'",)),
         ("not a buffer", lambda c: c.allreduce([1.0, 2.0]), ("list",)),
         ("byte order", lambda c: c.allreduce(big), ("'>f'",)),
         ("dtype keyword", lambda c: c.allreduce(f32, dtype="int8"), ("dtype='int8'",)),

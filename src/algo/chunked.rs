@@ -77,12 +77,13 @@ pub(crate) fn host<T: Element>(
     per: usize,
     input: Option<&[T]>,
     output: &mut [T],
+    op: crate::Op,
 ) -> (u64, Result<()>) {
     let mut seq = first;
     for (k, c) in chunks(output.len(), per).enumerate() {
         seq = first + k as u64;
         let inp = input.map(|i| &i[c.range.clone()]);
-        let r = oneshot::host(env, seq, inp, &mut output[c.range], c.more);
+        let r = oneshot::host(env, seq, inp, &mut output[c.range], c.more, op);
         if r.is_err() {
             return (seq, r);
         }

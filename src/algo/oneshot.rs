@@ -14,9 +14,9 @@ use std::time::Instant;
 use crate::abi;
 use crate::algo::chunked;
 use crate::device::status;
-use crate::dtype::{sum_in_rank_order, Element};
+use crate::dtype::{reduce_in_rank_order, Element};
 use crate::error::Result;
-use crate::layout::{flag_word, Layout, Placed, Region};
+use crate::layout::{Layout, Placed, Region};
 use crate::protocol::{self, Look, Memory};
 use crate::proxy::Link;
 use crate::spin::Backoff;
@@ -45,7 +45,8 @@ impl Env<'_> {
 /// `ARX_MAX_WORLD - 1` peers (kept on the stack: no allocation per call).
 const FLAG_SET_WORDS: usize = (2 * crate::abi::ARX_MAX_WORLD as usize).div_ceil(64);
 
-/// Runs one call: publish, wait for every peer's flags, sum in rank order.
+/// Runs one call: publish, wait for every peer's flags, reduce by `op` in
+/// rank order.
 ///
 /// `input` None means in place (the partial is read from `output`). `more`:
 /// this call is a chunk of a longer call and more chunks follow (announced
@@ -56,6 +57,7 @@ pub(crate) fn host<T: Element>(
     input: Option<&[T]>,
     output: &mut [T],
     more: bool,
+    op: crate::Op,
 ) -> Result<()> {
     let Env {
         region,
@@ -68,7 +70,12 @@ pub(crate) fn host<T: Element>(
     let bytes = std::mem::size_of_val(output);
     let p = protocol::parity(seq);
     let mem = Placed { region, layout };
-    let flag = flag_word(seq, T::DTYPE.code(), chunked::count_field(count, more));
+    let flag = protocol::flag_word_op(
+        seq,
+        T::DTYPE.code(),
+        op.code(),
+        chunked::count_field(count, more),
+    );
 
     // 1. Stage the partial, announce the call, publish seq (release).
     let src: &[u8] = match input {
@@ -149,7 +156,7 @@ pub(crate) fn host<T: Element>(
         // call seq+2, which cannot start before this call returns.
         unsafe { mem.read_partial(p, r, at, dst) }
     };
-    sum_in_rank_order(world, part, output);
+    reduce_in_rank_order(op, world, part, output);
 
     // 4. Copy-engine staging: return only once this rank's own sends of
     //    this call completed locally (`ctrl.sent`). On a GPU instance a host
@@ -280,7 +287,7 @@ mod tests {
                 cfg: &self.cfg,
                 link: &link,
             };
-            let r = host(&env, seq, Some(&input), &mut out, more);
+            let r = host(&env, seq, Some(&input), &mut out, more, crate::Op::Sum);
             (r, out)
         }
 

@@ -449,7 +449,7 @@ impl GpuSide {
         input: u64,
         output: u64,
         count: usize,
-        dtype: Option<(Dtype, usize)>,
+        dtype: Option<(Dtype, usize, crate::Op)>,
         stream: sys::CUstream,
     ) -> Result<()> {
         self.ctx
@@ -463,7 +463,7 @@ impl GpuSide {
                 // SAFETY: a refusal touches no memory.
                 unsafe { self.launch_one(0, 0, c, None, false, stream) }
             }
-            Some((d, per)) => chunked::chunks(count, per).try_for_each(|c| {
+            Some((d, per, op)) => chunked::chunks(count, per).try_for_each(|c| {
                 let at = (c.range.start * d.size()) as u64;
                 // SAFETY: the chunk lies within the caller's `count`
                 // elements (the caller's contract), and holds at most `per`
@@ -473,7 +473,7 @@ impl GpuSide {
                         input + at,
                         output + at,
                         c.range.len(),
-                        Some(d),
+                        Some((d, op)),
                         c.more,
                         stream,
                     )
@@ -487,7 +487,8 @@ impl GpuSide {
     }
 
     /// Enqueues one chunk: the copy-engine staging (if chosen) and the
-    /// kernel. `more`: more chunks of the same call follow.
+    /// kernel. `dtype`: the element type and op (None: a refusal); `more`:
+    /// more chunks of the same call follow.
     ///
     /// # Safety
     /// As [`GpuSide::launch`], for `count` ≤ one slot's worth of elements.
@@ -496,11 +497,12 @@ impl GpuSide {
         input: u64,
         output: u64,
         count: usize,
-        dtype: Option<Dtype>,
+        dtype: Option<(Dtype, crate::Op)>,
         more: bool,
         stream: sys::CUstream,
     ) -> Result<()> {
-        let d = dtype;
+        let d = dtype.map(|(d, _)| d);
+        let op = dtype.map_or(crate::Op::Sum, |(_, o)| o);
         let code = d.map_or(abi::ARX_DTYPE_INVALID, Dtype::code);
         let bytes = d.map_or(0, |d| d.size() * count);
         let ce = self.staging == Staging::CopyEngine;
@@ -530,7 +532,7 @@ impl GpuSide {
             sm_staging: u32::from(!ce),
             unroll: 1,
             more: if more { abi::ARX_FLAG_MORE } else { 0 },
-            pad: 0,
+            op: op.code(),
         };
         let aligned = (input | output) & 15 == 0;
         let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));

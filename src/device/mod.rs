@@ -171,6 +171,7 @@ impl Device {
         &mut self,
         input: Option<&[T]>,
         output: &mut [T],
+        op: crate::Op,
     ) -> Result<()> {
         self.ready()?;
         if let Some(i) = input {
@@ -191,7 +192,7 @@ impl Device {
             cfg: &self.cfg,
             link: &self.link,
         };
-        let (seq, r) = chunked::host(&env, first, per, input, output);
+        let (seq, r) = chunked::host(&env, first, per, input, output, op);
         let r = r.and_then(|()| self.host_seq_done(seq));
         if r.is_err() {
             self.seq = seq;
@@ -246,6 +247,7 @@ impl Device {
         output: u64,
         count: usize,
         dtype: Dtype,
+        op: crate::Op,
         stream: sys::CUstream,
     ) -> Result<()> {
         self.ready()?;
@@ -256,7 +258,7 @@ impl Device {
             ));
         };
         // SAFETY: the caller's contract (addresses, stream) is passed on.
-        let r = unsafe { g.launch(input, output, count, Some((dtype, per)), stream) };
+        let r = unsafe { g.launch(input, output, count, Some((dtype, per, op)), stream) };
         r.map_err(|e| self.fail(e))
     }
 

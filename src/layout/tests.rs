@@ -216,6 +216,21 @@ fn flag_word_round_trips() {
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 6));
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 3, 5));
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 5 | more));
+    // The op bits sit above the dtype: every decoder of the dtype (the
+    // Verbs relay sizes its forward by it) sees the dtype alone, and two
+    // ops never share a word.
+    use crate::protocol::flag_word_op;
+    for op in 0..4 {
+        for dtype in 0..4 {
+            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x07ff_f000 | more);
+            assert_eq!(flag_call(f), (dtype, 0x07ff_f000));
+            assert_eq!(flag_seq(f), 0x2345_6789);
+            assert_eq!(crate::dtype::CallDesc::of_flag(f).op.code(), op);
+            if op > 0 {
+                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x07ff_f000 | more));
+            }
+        }
+    }
 }
 
 #[test]

@@ -44,6 +44,13 @@
 //! one chunk more than the others (every rank fails with `CallMismatch` at
 //! once).
 //!
+//! Reductions other than sum (`ops.rs`): sum, max, min and avg on every
+//! dtype at 1, 77, 1001 and 2m+3 elements, out of place, in place and
+//! unaligned, on edge values, bit for bit against `verify::reference_op`;
+//! max, min and avg captured into graphs (a chunked call and an in-place
+//! call) and replayed with new input; ranks passing different ops (every
+//! rank fails with `CallMismatch` naming both ops at once).
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
@@ -68,10 +75,12 @@ use rand::{Rng, SeedableRng};
 
 mod checks;
 mod chunked;
+mod ops;
 mod wrong_sum;
 
 use checks::*;
 use chunked::*;
+use ops::*;
 use wrong_sum::*;
 
 const SEED: u64 = 0x6e0_5eed;
@@ -278,6 +287,12 @@ fn child() -> ExitCode {
             "a chunked call with another total length fails every rank at once",
             chunked_mismatch,
         ),
+        (
+            "max, min, avg: every dtype, length and placement, eager",
+            ops_eager,
+        ),
+        ("max, min, avg captured into graphs and replayed", ops_graph),
+        ("ranks that pass different ops fail at once", ops_mismatch),
     ];
     // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain
     // one of the words; ARX_GPU_TEST_STAGING=sm|copy only one staging.

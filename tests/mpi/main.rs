@@ -28,9 +28,11 @@ use mpi::traits::*;
 
 mod chunked;
 mod failures;
+mod ops;
 
 use chunked::*;
 use failures::*;
+use ops::*;
 
 const SEED: u64 = 0x5eed_a2c0;
 
@@ -154,6 +156,11 @@ fn child() -> ExitCode {
         ("one rank calls with another length", length_mismatch),
         ("one rank calls with another dtype", dtype_mismatch),
         ("one rank refuses its call", one_rank_refuses),
+        (
+            "max, min, avg: every dtype and length, bit for bit",
+            ops_bit_for_bit,
+        ),
+        ("one rank calls with another op", op_mismatch),
         (
             "calls longer than one slot, every dtype, bit for bit",
             chunked_lengths,
