@@ -167,3 +167,26 @@ impl Error {
         }
     }
 }
+
+impl Error {
+    /// A verbs error with `more` appended to its detail (joined by `sep`);
+    /// any other error unchanged.
+    pub(crate) fn with_verbs_detail(self, sep: &str, more: &str) -> Error {
+        match self {
+            Error::Verbs {
+                call,
+                device,
+                peer,
+                lane,
+                detail,
+            } => Error::Verbs {
+                call,
+                device,
+                peer,
+                lane,
+                detail: format!("{detail}{sep}{more}"),
+            },
+            e => e,
+        }
+    }
+}

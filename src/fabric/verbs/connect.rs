@@ -121,24 +121,9 @@ fn open_local(
 /// `e`, with what changed if `dev`'s GID is no longer what start-up
 /// resolved (the usual cause of a QP that cannot reach RTR or that fails).
 pub(super) fn with_gid_drift(e: Error, dev: &topology::LaneDevice, cfg: &Config) -> Error {
-    match (topology::gid_drift(std::path::Path::new("/"), dev, cfg), e) {
-        (
-            Some(d),
-            Error::Verbs {
-                call,
-                device,
-                peer,
-                lane,
-                detail,
-            },
-        ) => Error::Verbs {
-            call,
-            device,
-            peer,
-            lane,
-            detail: format!("{detail}; {d}"),
-        },
-        (_, e) => e,
+    match topology::gid_drift(std::path::Path::new("/"), dev, cfg) {
+        Some(d) => e.with_verbs_detail("; ", &d),
+        None => e,
     }
 }
 

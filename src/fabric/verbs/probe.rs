@@ -418,21 +418,6 @@ impl VerbsFabric {
 
     /// Adds the rail to a verbs error (which names peer, lane and device).
     fn probe_err(&self, at: At, e: Error) -> Error {
-        match e {
-            Error::Verbs {
-                call,
-                device,
-                peer,
-                lane,
-                detail,
-            } => Error::Verbs {
-                call,
-                device,
-                peer,
-                lane,
-                detail: format!("{detail} (rail probe, {})", self.where_(at)),
-            },
-            e => e,
-        }
+        e.with_verbs_detail(" ", &format!("(rail probe, {})", self.where_(at)))
     }
 }
