@@ -17,13 +17,23 @@
  *      system-wide, writes ctrl.meta[p] and ctrl.bytes[p], then
  *      ctrl.seq = seq (release);
  *   2. the proxy posts, for every seq in order, to every peer q (r+1, r+2, ...)
- *      and each lane l: the lane's half of send[p] into q's recv[p][r], then the
- *      flag word into q's flags[p][r][l] on the same ordered channel;
+ *      and each lane l: the lane's half of the bytes of send[p] that the
+ *      call's pattern gives q (the whole partial, shard q, or this rank's
+ *      shard) into q's recv[p][r] at the same offsets, then the flag word
+ *      into q's flags[p][r][l] on the same ordered channel;
  *   3. the device side waits until flags[p][q][l] carries seq for every peer and
  *      lane, checks that the peer's count, dtype and op equal its own, and
  *      reduces recv[p][0..world] (its own partial from send[p]) in rank order
  *      with an fp32 accumulator (sum, max, min, or avg: the sum divided once
  *      by world), rounding once, so every rank holds the same bits.
+ *
+ * A two-shot all-reduce is two calls of the same count: seq with pattern
+ * SCATTER (every rank reduces only its own shard, as step 3 does, and
+ * writes the result at the shard's offset in send[p ^ 1]), then seq + 1
+ * with pattern GATHER (every rank copies the peers' reduced shards out of
+ * recv[p ^ 1]). Each element is reduced once, by the same rank-order rule,
+ * so the bits equal one-shot's. reduce_scatter is the first call alone,
+ * all_gather the second alone.
  */
 #ifndef ARX_H
 #define ARX_H
@@ -38,7 +48,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 5u
+#define ARX_ABI_VERSION 6u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -72,13 +82,39 @@ typedef unsigned int uint32_t;
 #define ARX_FLAG_COUNT_MASK 0x0fffffffu
 /* In the count field: more chunks of the same call follow this one. */
 #define ARX_FLAG_MORE 0x08000000u
-/* Largest element count of one chunk: below ARX_FLAG_MORE, and a multiple
- * of ARX_SECTION_ALIGN elements so that every chunk of every dtype starts
- * on a 4 KiB boundary of the caller's buffer (as its first does). */
-#define ARX_MAX_CHUNK 0x07fff000u
+/* In the count field, below ARX_FLAG_MORE: the pattern of the call (which
+ * bytes of the sender's partial go to which peer, ARX_PATTERN_*). Ranks
+ * whose patterns differ (one all-reduces one-shot, another two-shot, or
+ * one reduce-scatters while another all-gathers) differ in the flag word
+ * and fail at once. */
+#define ARX_FLAG_PATTERN_SHIFT 25u
+#define ARX_FLAG_PATTERN_MASK 0x3u
+/* Every peer gets the whole partial (one-shot all-reduce). */
+#define ARX_PATTERN_WHOLE 0u
+/* Peer q gets shard q of the partial (the reduce-scatter step: of a
+ * two-shot all-reduce, or a reduce_scatter). */
+#define ARX_PATTERN_SCATTER 1u
+/* Every peer gets the sender's own shard (the all-gather step: of a
+ * two-shot all-reduce, or an all_gather). */
+#define ARX_PATTERN_GATHER 2u
+/* Shards. Of a call of `count` elements over `world` ranks, shard q is
+ * elements [min(q*L, count), min((q+1)*L, count)) with
+ *   L = count / world                       when world divides count,
+ *   L = roundup(ceil(count / world), 16 B)  otherwise (in elements),
+ * so that reduce_scatter and all_gather blocks are exact and a two-shot
+ * all-reduce's shards start on 16-byte boundaries whenever they can. Each
+ * shard lands at its own offset in the receiver's slot. */
+/* Largest element count of one chunk: below the pattern bits, and a
+ * multiple of ARX_SECTION_ALIGN elements so that every chunk of every
+ * dtype starts on a 4 KiB boundary of the caller's buffer (as its first
+ * does). */
+#define ARX_MAX_CHUNK 0x01fff000u
+/* The element count of the count field (without MORE and the pattern). */
+#define ARX_FLAG_ELEMS_MASK 0x01ffffffu
 /* Count field of the "invalid" flag words a rank whose fabric failed writes
- * to its peers (so that they fail at once): every count bit, no MORE; no
- * call or refusal announces it (both are at most ARX_MAX_CHUNK). */
+ * to its peers (so that they fail at once): every count and pattern bit,
+ * no MORE; no call or refusal announces it (pattern 3 is none, and counts
+ * are at most ARX_MAX_CHUNK). */
 #define ARX_FLAG_POISON_COUNT 0x07ffffffu
 /* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu

@@ -55,6 +55,11 @@ impl Builder {
         self.o.spin = Some(s);
         self
     }
+    /// All-reduce algorithm (`ARX_ALGO`; see [`crate::Algo`]).
+    pub fn algo(mut self, a: crate::Algo) -> Self {
+        self.o.algo = Some(a);
+        self
+    }
     /// GPU send-slot staging (`ARX_STAGING`).
     pub fn staging(mut self, s: Staging) -> Self {
         self.o.staging = Some(s);

@@ -84,15 +84,46 @@ pub struct CallDesc {
     pub more: bool,
     /// The reduction (sum for a refused call or a fabric failure).
     pub op: crate::Op,
+    /// Which bytes went to which peer: the step of which collective.
+    pub pattern: Pattern,
+}
+
+/// The step a call was, as its flag word announces it (`ARX_PATTERN_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pattern {
+    /// Every peer got the whole partial: a one-shot all-reduce.
+    #[default]
+    Whole,
+    /// Each peer got its own shard: a reduce-scatter (alone, or the first
+    /// step of a two-shot all-reduce).
+    Scatter,
+    /// Every peer got the sender's shard: an all-gather (alone, or the
+    /// second step of a two-shot all-reduce).
+    Gather,
+    /// A pattern code this version does not know.
+    Unknown(u32),
+}
+
+impl Pattern {
+    /// From its `ARX_PATTERN_*` code.
+    pub(crate) fn from_code(code: u32) -> Self {
+        match code {
+            abi::ARX_PATTERN_WHOLE => Pattern::Whole,
+            abi::ARX_PATTERN_SCATTER => Pattern::Scatter,
+            abi::ARX_PATTERN_GATHER => Pattern::Gather,
+            c => Pattern::Unknown(c),
+        }
+    }
 }
 
 impl CallDesc {
     /// From a flag word (`protocol::flag_call` and `flag_more`).
     pub(crate) fn of_flag(flag: u64) -> Self {
         let (code, count) = crate::protocol::flag_call(flag);
+        let field = flag as usize & abi::ARX_FLAG_COUNT_MASK as usize;
         let kind = match Dtype::from_code(code) {
             Some(d) => CallKind::Reduce(d),
-            None if code == abi::ARX_DTYPE_INVALID && count == POISON_COUNT => {
+            None if code == abi::ARX_DTYPE_INVALID && field == POISON_COUNT => {
                 CallKind::FabricFailed
             }
             None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
@@ -105,6 +136,10 @@ impl CallDesc {
             more: crate::protocol::flag_more(flag),
             // Two bits, four ops: every code is one.
             op: crate::Op::from_code(op).unwrap_or_default(),
+            pattern: match kind {
+                CallKind::Reduce(_) => Pattern::from_code(crate::protocol::flag_pattern(flag)),
+                _ => Pattern::Whole,
+            },
         }
     }
 }
@@ -113,7 +148,21 @@ impl std::fmt::Display for CallDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let n = self.count;
         match self.kind {
-            CallKind::Reduce(d) => write!(f, "{} of {n} x {}", self.op, d.name())?,
+            CallKind::Reduce(d) => match self.pattern {
+                Pattern::Whole => write!(f, "{} of {n} x {}", self.op, d.name())?,
+                Pattern::Scatter => write!(
+                    f,
+                    "{} of {n} x {}, reduce-scatter step (two-shot or reduce_scatter)",
+                    self.op,
+                    d.name()
+                )?,
+                Pattern::Gather => write!(
+                    f,
+                    "all-gather step of {n} x {} (two-shot or all_gather)",
+                    d.name()
+                )?,
+                Pattern::Unknown(c) => write!(f, "{n} x {} in unknown pattern {c}", d.name())?,
+            },
             CallKind::FabricFailed => {
                 return write!(f, "nothing: its fabric failed (see that rank's error)")
             }

@@ -242,6 +242,7 @@ mod algo;
 mod bootstrap;
 mod builder;
 mod codec;
+mod collectives;
 mod config;
 mod device;
 mod dtype;
@@ -269,12 +270,12 @@ pub use cudarc;
 
 pub use builder::Builder;
 pub use config::{
-    parse_bytes, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_INIT_TIMEOUT,
+    parse_bytes, Algo, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_INIT_TIMEOUT,
     DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, MAX_GPU_BLOCKS, MAX_GPU_UNROLL, MAX_SPIN_HOT, MAX_TIMEOUT,
-    MIN_TIMEOUT,
+    MIN_TIMEOUT, TWOSHOT_FROM_BYTES,
 };
 pub use device::platform::{GpuAttrs, GpuPlatform, RegionAlloc};
-pub use dtype::{CallDesc, CallKind, Dtype, Element};
+pub use dtype::{CallDesc, CallKind, Dtype, Element, Pattern};
 pub use error::{Error, Result};
 pub use layout::Layout;
 pub use op::Op;

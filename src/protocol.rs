@@ -84,14 +84,14 @@ pub(crate) trait Memory: Control {
     /// `flags[parity][src][lane]`: the flag `src` writes here.
     fn flag(&self, parity: usize, src: usize, lane: usize) -> &AtomicU64;
 
-    /// Copies `src` into this rank's `send[parity]`, from byte 0.
+    /// Copies `src` into this rank's `send[parity]`, from byte `at`.
     ///
     /// # Safety
     /// The slot is the caller's: nothing reads or writes it during the copy
     /// (for call `seq` of this parity: every peer has consumed call
     /// `seq - 2`, rule 5 of the protocol; with copy-engine staging also
-    /// `sent_through() >= seq - 1`). `src` fits the slot.
-    unsafe fn write_send(&self, parity: usize, src: &[u8]);
+    /// `sent_through() >= seq - 1`). `src` fits the slot from `at`.
+    unsafe fn write_send(&self, parity: usize, at: usize, src: &[u8]);
 
     /// Copies bytes `at..at + dst.len()` of rank `src`'s partial of
     /// `parity` out of the region: `send[parity]` when `src` is this rank,
@@ -126,9 +126,9 @@ impl<M: Memory + ?Sized> Memory for &M {
     fn flag(&self, parity: usize, src: usize, lane: usize) -> &AtomicU64 {
         (**self).flag(parity, src, lane)
     }
-    unsafe fn write_send(&self, parity: usize, src: &[u8]) {
+    unsafe fn write_send(&self, parity: usize, at: usize, src: &[u8]) {
         // SAFETY: the caller's contract, passed on.
-        unsafe { (**self).write_send(parity, src) }
+        unsafe { (**self).write_send(parity, at, src) }
     }
     unsafe fn read_partial(&self, parity: usize, src: usize, at: usize, dst: &mut [u8]) {
         // SAFETY: the caller's contract, passed on.
@@ -165,14 +165,82 @@ pub fn flag_seq(flag: u64) -> u32 {
 }
 
 /// The dtype (without the op bits above it) and the element count of a
-/// flag word (of a chunk, for a call
-/// longer than one slot: without `ARX_FLAG_MORE`, see [`flag_more`]).
+/// flag word (of a chunk, for a call longer than one slot: without
+/// `ARX_FLAG_MORE`, see [`flag_more`], and without the pattern, see
+/// [`flag_pattern`]).
 pub fn flag_call(flag: u64) -> (u32, usize) {
-    let count = u64::from(abi::ARX_FLAG_COUNT_MASK & !abi::ARX_FLAG_MORE);
     (
         ((flag >> abi::ARX_FLAG_DTYPE_SHIFT) as u32) & abi::ARX_FLAG_DTYPE_MASK,
-        (flag & count) as usize,
+        (flag & u64::from(abi::ARX_FLAG_ELEMS_MASK)) as usize,
     )
+}
+
+/// The pattern (`ARX_PATTERN_*`) of a flag word: which bytes of the
+/// sender's partial each peer gets.
+pub fn flag_pattern(flag: u64) -> u32 {
+    (flag >> abi::ARX_FLAG_PATTERN_SHIFT) as u32 & abi::ARX_FLAG_PATTERN_MASK
+}
+
+/// The count field of a flag word: `count` elements (at most
+/// `ARX_MAX_CHUNK`), `ARX_FLAG_MORE` if more chunks of the same call
+/// follow, and the call's `pattern`.
+pub fn count_field(count: usize, more: bool, pattern: u32) -> usize {
+    debug_assert!(count <= abi::ARX_MAX_CHUNK as usize);
+    let more = if more { abi::ARX_FLAG_MORE as usize } else { 0 };
+    let pattern = ((pattern & abi::ARX_FLAG_PATTERN_MASK) << abi::ARX_FLAG_PATTERN_SHIFT) as usize;
+    (count & abi::ARX_FLAG_ELEMS_MASK as usize) | more | pattern
+}
+
+/// Bytes per element of the dtype code (0 for `INVALID` and unknown codes:
+/// such a call carries no data).
+pub(crate) fn elem_size(dtype: u32) -> usize {
+    match dtype {
+        abi::ARX_DTYPE_BF16 | abi::ARX_DTYPE_F16 => 2,
+        abi::ARX_DTYPE_F32 => 4,
+        _ => 0,
+    }
+}
+
+/// Shard `q` of a `count`-element call over `world` ranks, in elements
+/// (`kernels/arx_abi.h`, "Shards"): exact blocks when `world` divides
+/// `count` (reduce_scatter and all_gather), else blocks of
+/// `ceil(count / world)` rounded up to 16 bytes, the last ones shorter or
+/// empty.
+pub(crate) fn shard(count: usize, world: usize, esize: usize, q: usize) -> Range<usize> {
+    let world = world.max(1);
+    let len = if count % world == 0 {
+        count / world
+    } else {
+        let a = (abi::ARX_LANE_ALIGN as usize / esize.max(1)).max(1);
+        count.div_ceil(world).div_ceil(a) * a
+    };
+    count.min(q * len)..count.min((q + 1) * len)
+}
+
+/// The bytes of rank `src`'s partial that its call with flag word `flag`
+/// gives rank `dst` (the call's pattern), at the same offsets in `dst`'s
+/// `recv[p][src]`. Empty for a call that carries no data (refused,
+/// poisoned).
+pub(crate) fn dest_range(flag: u64, world: usize, src: usize, dst: usize) -> Range<usize> {
+    let (dtype, count) = flag_call(flag);
+    let esize = elem_size(dtype);
+    if esize == 0 {
+        return 0..0;
+    }
+    let elems = match flag_pattern(flag) {
+        abi::ARX_PATTERN_WHOLE => 0..count,
+        abi::ARX_PATTERN_SCATTER => shard(count, world, esize, dst),
+        abi::ARX_PATTERN_GATHER => shard(count, world, esize, src),
+        _ => 0..0,
+    };
+    elems.start * esize..elems.end * esize
+}
+
+/// The part of `range` that travels on `lane` ([`lane_range`] of its
+/// length, at its offset).
+pub(crate) fn lane_part(range: &Range<usize>, lane: usize) -> Range<usize> {
+    let r = lane_range(range.len(), lane);
+    range.start + r.start..range.start + r.end
 }
 
 /// Whether a flag word announces a chunk after which more chunks of the
@@ -217,7 +285,7 @@ pub(crate) fn publish<C: Control + ?Sized>(c: &C, seq: u64, flag: u64, bytes: us
 /// As [`Memory::write_send`]: the slot is the caller's.
 pub(crate) unsafe fn stage_and_publish<M: Memory + ?Sized>(m: &M, seq: u64, flag: u64, src: &[u8]) {
     // SAFETY: the caller's contract.
-    unsafe { m.write_send(parity(seq), src) };
+    unsafe { m.write_send(parity(seq), 0, src) };
     publish(m, seq, flag, src.len());
 }
 
@@ -241,10 +309,13 @@ pub(crate) fn announced<C: Control + ?Sized>(c: &C, seq: u64) -> (u64, u64) {
     )
 }
 
-/// Step 2 on shared memory (the Shm fabric): sends call `seq` — `bytes`
-/// bytes of this rank's `send[seq & 1]` and the flag word `flag` — to every
-/// peer in `peers`, in the order given (`r+1, r+2, …`), lane by lane: the
-/// lane's part into the peer's `recv[p][me]`, then the lane's flag.
+/// Step 2 on shared memory (the Shm fabric): sends call `seq` — the bytes
+/// of this rank's `send[seq & 1]` that the flag word's pattern gives each
+/// peer ([`dest_range`], within the call's `bytes`) and the flag word
+/// `flag` — to every `(rank, memory)` in `peers` of a `world`-rank
+/// communicator, in the order given (`r+1, r+2, …`), lane by lane: the
+/// lane's part into the peer's `recv[p][me]` at the same offsets, then the
+/// lane's flag.
 ///
 /// # Safety
 /// Call `seq` was published and is the next call in order (every earlier
@@ -253,15 +324,18 @@ pub(crate) fn announced<C: Control + ?Sized>(c: &C, seq: u64) -> (u64, u64) {
 pub(crate) unsafe fn post_shm<M: Memory>(
     mine: &M,
     me: usize,
-    peers: impl IntoIterator<Item = M>,
+    world: usize,
+    peers: impl IntoIterator<Item = (usize, M)>,
     seq: u64,
     bytes: usize,
     flag: u64,
 ) {
     let p = parity(seq);
-    for peer in peers {
+    for (q, peer) in peers {
+        let range = dest_range(flag, world, me, q);
+        let range = range.start.min(bytes)..range.end.min(bytes);
         for lane in 0..LANES {
-            let r = lane_range(bytes, lane);
+            let r = lane_part(&range, lane);
             // SAFETY: the caller's contract.
             unsafe { mine.copy_send(p, r, &peer, me) };
             // Release: the peer acquires this flag and then reads the bytes

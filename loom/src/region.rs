@@ -171,8 +171,8 @@ impl Memory for Rank {
         &self.flags[(parity * self.world + src) * 2 + lane]
     }
 
-    unsafe fn write_send(&self, parity: usize, src: &[u8]) {
-        for (c, r, o) in split(0, src.len()) {
+    unsafe fn write_send(&self, parity: usize, at: usize, src: &[u8]) {
+        for (c, r, o) in split(at, src.len()) {
             // SAFETY: the cell's pointer is valid; whether the access is
             // ordered is what loom checks.
             self.send_cell(parity, c).with_mut(|p| unsafe {

@@ -63,9 +63,9 @@ fn ranks(world: usize, weaken: Weaken) -> Arc<Vec<Rank>> {
 }
 
 /// The peers of `me` in the library's order (`Layout::peers`).
-fn peers(ranks: &[Rank], me: usize) -> impl Iterator<Item = &Rank> {
+fn peers(ranks: &[Rank], me: usize) -> impl Iterator<Item = (usize, &Rank)> {
     let world = ranks.len();
-    (1..world).map(move |k| &ranks[(me + k) % world])
+    (1..world).map(move |k| ((me + k) % world, &ranks[(me + k) % world]))
 }
 
 /// The proxy's `Shared::pump` with the Shm fabric (whose post returns once
@@ -85,7 +85,17 @@ fn pump(ranks: &[Rank], me: usize, posted: &mut u64) -> bool {
             flag_seq(flag)
         );
         // SAFETY: call seq is published and every earlier call was posted.
-        unsafe { protocol::post_shm(&m, me, peers(ranks, me), seq, bytes as usize, flag) };
+        unsafe {
+            protocol::post_shm(
+                &m,
+                me,
+                ranks.len(),
+                peers(ranks, me),
+                seq,
+                bytes as usize,
+                flag,
+            )
+        };
         *posted = seq;
         protocol::release_sent(m, seq);
     }
@@ -230,8 +240,8 @@ impl Device {
                         // SAFETY: `sent` covers call seq - 1: the proxy
                         // reads neither slot any more.
                         unsafe {
-                            m.write_send(0, &partial(me, seq));
-                            m.write_send(1, &partial(me, seq));
+                            m.write_send(0, 0, &partial(me, seq));
+                            m.write_send(1, 0, &partial(me, seq));
                         }
                         protocol::publish(m, seq, flag, BYTES);
                     }
@@ -562,8 +572,8 @@ fn poisoned_flags_fail_the_peer_at_once() {
         let ranks = ranks(2, Weaken::default());
         // SAFETY: no thread runs yet.
         unsafe {
-            ranks[1].write_send(1, &partial(1, 1));
-            ranks[1].write_send(0, &partial(1, 2));
+            ranks[1].write_send(1, 0, &partial(1, 1));
+            ranks[1].write_send(0, 0, &partial(1, 2));
         }
         let a = Arc::clone(&ranks);
         let failing = thread::spawn(move || {
@@ -572,7 +582,7 @@ fn poisoned_flags_fail_the_peer_at_once() {
             // SAFETY: the slots were staged before the threads started;
             // rank 0 reads them only after the flags.
             unsafe {
-                protocol::post_shm(&m, 1, [peer], 1, BYTES, word(1));
+                protocol::post_shm(&m, 1, 2, [(0, peer)], 1, BYTES, word(1));
                 m.copy_send(0, protocol::lane_range(BYTES, 0), peer, 1);
             }
             peer.flag(0, 1, 0).store(word(2), Ordering::Release);
@@ -595,7 +605,10 @@ fn poisoned_flags_fail_the_peer_at_once() {
         match out.last() {
             Some(&Outcome::Mismatch { peer: 1, word, .. }) => {
                 assert_eq!(
-                    flag_call(word),
+                    (
+                        flag_call(word).0,
+                        word as usize & abi::ARX_FLAG_COUNT_MASK as usize
+                    ),
                     (abi::ARX_DTYPE_INVALID, POISON_COUNT),
                     "{out:?}"
                 );

@@ -27,6 +27,7 @@ use std::ops::Range;
 
 use crate::abi;
 use crate::algo::oneshot::{self, Env};
+use crate::algo::twoshot;
 use crate::dtype::Element;
 use crate::error::Result;
 
@@ -53,21 +54,18 @@ pub(crate) fn chunks(count: usize, per: usize) -> impl Iterator<Item = Chunk> {
     })
 }
 
-/// The count field of a chunk's flag word: its element count, and
-/// `ARX_FLAG_MORE` if more chunks follow.
+/// The count field of a one-shot chunk's flag word: its element count,
+/// and `ARX_FLAG_MORE` if more chunks follow (`protocol::count_field` with
+/// the whole-partial pattern).
 pub(crate) fn count_field(count: usize, more: bool) -> usize {
-    debug_assert!(count <= abi::ARX_MAX_CHUNK as usize);
-    if more {
-        count | abi::ARX_FLAG_MORE as usize
-    } else {
-        count
-    }
+    crate::protocol::count_field(count, more, abi::ARX_PATTERN_WHOLE)
 }
 
 /// Runs a call of any length on the host device side: its chunks of at
-/// most `per` elements as calls `first`, `first + 1`, … Returns the seq of
-/// the last chunk attempted (the last one, or the one that failed) and the
-/// outcome; a failed chunk ends the call.
+/// most `per` elements, each by `algo` (one-shot or two-shot, already
+/// chosen), as calls `first`, `first + 1`, … (a two-shot chunk takes two).
+/// Returns the seq of the last call attempted (the last one, or the one
+/// that failed) and the outcome; a failed chunk ends the call.
 ///
 /// `input` None means in place (each chunk's partial is read from its part
 /// of `output` before that part is written).
@@ -78,12 +76,25 @@ pub(crate) fn host<T: Element>(
     input: Option<&[T]>,
     output: &mut [T],
     op: crate::Op,
+    algo: crate::Algo,
 ) -> (u64, Result<()>) {
     let mut seq = first;
-    for (k, c) in chunks(output.len(), per).enumerate() {
-        seq = first + k as u64;
+    let mut next = first;
+    for c in chunks(output.len(), per) {
+        seq = next;
         let inp = input.map(|i| &i[c.range.clone()]);
-        let r = oneshot::host(env, seq, inp, &mut output[c.range], c.more, op);
+        let out = &mut output[c.range];
+        let r = if algo == crate::Algo::TwoShot {
+            next += 2;
+            let r = twoshot::host(env, seq, inp, out, c.more, op);
+            // A failure in either step leaves both seqs used (the second
+            // may have been published).
+            seq += 1;
+            r
+        } else {
+            next += 1;
+            oneshot::host(env, seq, inp, out, c.more, op)
+        };
         if r.is_err() {
             return (seq, r);
         }

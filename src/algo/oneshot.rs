@@ -32,7 +32,14 @@ pub(crate) struct Env<'a> {
 
 impl Env<'_> {
     /// Records a failure the way the kernel does and returns its error.
-    fn fail(&self, code: u32, peer: usize, lane: u32, seq: u64, flag: u64) -> crate::Error {
+    pub(crate) fn fail(
+        &self,
+        code: u32,
+        peer: usize,
+        lane: u32,
+        seq: u64,
+        flag: u64,
+    ) -> crate::Error {
         status::record(self.region, code, peer as u32, lane, seq, flag);
         status::error(self.region, self.layout, self.link).unwrap_or_else(|| crate::Error::Kernel {
             seq,
@@ -91,10 +98,54 @@ pub(crate) fn host<T: Element>(
     // posting is serialised by the engine lock).
     link.pump(true);
 
-    // 2. Wait for both lanes of every peer, bounded. Every round looks at
-    //    every flag still missing, so that a peer reporting a failure (or a
-    //    mismatched call) is seen even while another peer is silent. A flag
-    //    that arrived is not read again: its data is ours for this call.
+    // 2. Wait for both lanes of every peer, bounded.
+    wait_flags(env, seq, flag)?;
+
+    // 3. Sum in rank order (own partial from the send slot: the same bytes
+    //    every peer received).
+    let part = |r: usize, at: usize, dst: &mut [u8]| {
+        debug_assert!(at + dst.len() <= bytes);
+        // SAFETY: every peer's flags for this call were acquired above (and
+        // our own slot is ours); these slots are not written again before
+        // call seq+2, which cannot start before this call returns.
+        unsafe { mem.read_partial(p, r, at, dst) }
+    };
+    reduce_in_rank_order(op, world, part, output);
+
+    // 4. Copy-engine staging: return only once this rank's own sends of
+    //    this call completed locally (`ctrl.sent`). On a GPU instance a host
+    //    call may be followed by GPU calls whose copy-engine staging
+    //    overwrites both send slots while the proxy may still be sending
+    //    this call to later peers (they would sum the next call's partial).
+    //    On a host instance it makes `ARX_STAGING=copy` mean "my sends are
+    //    done when I return".
+    if cfg.staging == Staging::CopyEngine {
+        wait_sent(env, seq)?;
+    }
+    // Release as the kernel's store, though the watchdog needs no more than
+    // Relaxed (see `Ctrl::done`).
+    region.ctrl().done().store(seq, Ordering::Release);
+    Ok(())
+}
+
+/// Step 3's wait: until both lanes of every peer carry call `seq`'s flag
+/// word `flag`, bounded by the timeout and the abort word. A peer's word
+/// that disagrees (another count, dtype, op or pattern, a refusal, a
+/// poison) fails the call at once naming it. On return every peer's data
+/// for the call may be read.
+pub(crate) fn wait_flags(env: &Env<'_>, seq: u64, flag: u64) -> Result<()> {
+    let Env {
+        region,
+        layout,
+        cfg,
+        link,
+    } = *env;
+    let world = layout.world();
+    let mem = Placed { region, layout };
+    // Every round looks at every flag still missing, so that a peer
+    // reporting a failure (or a mismatched call) is seen even while another
+    // peer is silent. A flag that arrived is not read again: its data is
+    // ours for this call.
     let start = Instant::now();
     let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
     let flags = (world - 1) * 2;
@@ -147,30 +198,6 @@ pub(crate) fn host<T: Element>(
         backoff.idle();
     }
 
-    // 3. Sum in rank order (own partial from the send slot: the same bytes
-    //    every peer received).
-    let part = |r: usize, at: usize, dst: &mut [u8]| {
-        debug_assert!(at + dst.len() <= bytes);
-        // SAFETY: every peer's flags for this call were acquired above (and
-        // our own slot is ours); these slots are not written again before
-        // call seq+2, which cannot start before this call returns.
-        unsafe { mem.read_partial(p, r, at, dst) }
-    };
-    reduce_in_rank_order(op, world, part, output);
-
-    // 4. Copy-engine staging: return only once this rank's own sends of
-    //    this call completed locally (`ctrl.sent`). On a GPU instance a host
-    //    call may be followed by GPU calls whose copy-engine staging
-    //    overwrites both send slots while the proxy may still be sending
-    //    this call to later peers (they would sum the next call's partial).
-    //    On a host instance it makes `ARX_STAGING=copy` mean "my sends are
-    //    done when I return".
-    if cfg.staging == Staging::CopyEngine {
-        wait_sent(env, seq)?;
-    }
-    // Release as the kernel's store, though the watchdog needs no more than
-    // Relaxed (see `Ctrl::done`).
-    region.ctrl().done().store(seq, Ordering::Release);
     Ok(())
 }
 
@@ -178,7 +205,7 @@ pub(crate) fn host<T: Element>(
 /// (`ctrl.sent >= seq`), pumping it meanwhile; bounded by the timeout and
 /// the abort word (the proxy also releases `sent` after a failure, once
 /// nothing it posted is outstanding).
-fn wait_sent(env: &Env<'_>, seq: u64) -> Result<()> {
+pub(crate) fn wait_sent(env: &Env<'_>, seq: u64) -> Result<()> {
     let region = env.region;
     let start = Instant::now();
     let mut backoff = Backoff::new(env.cfg.spin, env.cfg.spin_hot.unwrap_or(64));

@@ -42,6 +42,47 @@ pub enum Staging {
     CopyEngine,
 }
 
+/// How an all-reduce moves its bytes (`ARX_ALGO`). Every algorithm gives
+/// the same bits (see the crate docs, Guarantees); they differ in bytes
+/// moved and round trips.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Algo {
+    /// Chosen per call by size and world ([`Algo::choose`]).
+    #[default]
+    Auto,
+    /// Every rank sends its whole partial to every peer and sums all of
+    /// them: one round trip, `(N-1)·S` bytes sent per rank.
+    OneShot,
+    /// Reduce-scatter, then all-gather: each rank sums one shard and sends
+    /// it to every peer; two round trips, `2(N-1)/N·S` bytes per rank.
+    TwoShot,
+}
+
+/// Below this many bytes per call the automatic choice is one-shot
+/// (at 3 ranks or more; at 2 ranks two-shot moves as many bytes as
+/// one-shot in two round trips, so it is never chosen). Measured with
+/// `allreduce_perf -A` (docs/BENCHMARKS.md, "One-shot vs two-shot").
+pub const TWOSHOT_FROM_BYTES: usize = 64 << 10;
+
+impl Algo {
+    /// The algorithm a call of `bytes` bytes over `world` ranks runs.
+    pub fn choose(self, world: usize, bytes: usize) -> Algo {
+        match self {
+            Algo::Auto if world >= 3 && bytes >= TWOSHOT_FROM_BYTES => Algo::TwoShot,
+            Algo::Auto => Algo::OneShot,
+            fixed => fixed,
+        }
+    }
+    /// Its spelling in `ARX_ALGO`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Auto => "auto",
+            Algo::OneShot => "oneshot",
+            Algo::TwoShot => "twoshot",
+        }
+    }
+}
+
 /// How CPU-side waits (proxy, Host device side) spin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SpinMode {
@@ -72,6 +113,7 @@ macro_rules! parse_enum {
 parse_enum!(DeviceKind, "ARX_DEVICE", { "auto" => DeviceKind::Auto, "host" => DeviceKind::Host, "gpu" => DeviceKind::Gpu });
 parse_enum!(FabricKind, "ARX_FABRIC", { "auto" => FabricKind::Auto, "shm" => FabricKind::Shm, "verbs" => FabricKind::Verbs });
 parse_enum!(Staging, "ARX_STAGING", { "sm" => Staging::Sm, "copy" => Staging::CopyEngine, "ce" => Staging::CopyEngine });
+parse_enum!(Algo, "ARX_ALGO", { "auto" => Algo::Auto, "oneshot" => Algo::OneShot, "one-shot" => Algo::OneShot, "twoshot" => Algo::TwoShot, "two-shot" => Algo::TwoShot });
 parse_enum!(SpinMode, "ARX_SPIN", { "adaptive" => SpinMode::Adaptive, "hot" => SpinMode::Hot });
 
 impl FabricKind {
@@ -177,6 +219,10 @@ pub struct Config {
     pub spin_hot: Option<u32>,
     /// GPU send-slot staging (`ARX_STAGING`).
     pub staging: Staging,
+    /// All-reduce algorithm (`ARX_ALGO`): every rank must choose alike
+    /// (a rank whose call runs another algorithm fails with its peers at
+    /// once, [`crate::Error::CallMismatch`]).
+    pub algo: Algo,
     /// RDMA devices for lane 0 and lane 1 (`ARX_DEVICES=dev0,dev1`).
     pub devices: Option<Vec<String>>,
     /// RoCE GID index for every device (`ARX_GID_INDEX`).
@@ -206,6 +252,7 @@ pub(crate) struct Overrides {
     pub stall_warn: Option<Duration>,
     pub spin: Option<SpinMode>,
     pub staging: Option<Staging>,
+    pub algo: Option<Algo>,
     pub devices: Option<Vec<String>>,
     pub gid_index: Option<u32>,
     pub proxy_cpu: Option<usize>,
@@ -460,6 +507,8 @@ impl Config {
             any,
         )?
         .unwrap_or(Staging::Sm);
+        let algo =
+            knob(&get, o.algo, "Builder::algo", "ARX_ALGO", str::parse, any)?.unwrap_or_default();
         let devices = knob(
             &get,
             o.devices.clone(),
@@ -535,6 +584,7 @@ impl Config {
             spin,
             spin_hot,
             staging,
+            algo,
             devices,
             gid_index,
             proxy_cpu,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::abi;
-use crate::algo::{chunked, oneshot};
+use crate::algo::{chunked, collective, oneshot};
 use crate::config::Config;
 use crate::dtype::{Dtype, Element};
 use crate::error::{Error, Result};
@@ -186,18 +186,75 @@ impl Device {
         }
         let first = self.next_host_seq().map_err(|e| self.fail(e))?;
         let per = self.max_count(T::DTYPE);
+        let algo = self.algo(std::mem::size_of_val(output));
         let env = oneshot::Env {
             region: &self.region,
             layout: &self.layout,
             cfg: &self.cfg,
             link: &self.link,
         };
-        let (seq, r) = chunked::host(&env, first, per, input, output, op);
+        let (seq, r) = chunked::host(&env, first, per, input, output, op, algo);
+        self.host_done(seq, r)
+    }
+
+    /// The all-reduce algorithm of a call of `bytes` bytes (`ARX_ALGO`,
+    /// [`crate::Algo::choose`]); the first automatic choice of each kind
+    /// is logged.
+    pub(crate) fn algo(&self, bytes: usize) -> crate::Algo {
+        let a = self.cfg.algo.choose(self.layout.world(), bytes);
+        if self.cfg.algo == crate::Algo::Auto {
+            static LOGGED: [std::sync::Once; 2] = [std::sync::Once::new(), std::sync::Once::new()];
+            LOGGED[usize::from(a == crate::Algo::TwoShot)].call_once(|| {
+                log::info!(
+                    "arx: all-reduce algorithm (ARX_ALGO=auto, {} ranks): {} for calls {} {} bytes",
+                    self.layout.world(),
+                    a.name(),
+                    if a == crate::Algo::TwoShot {
+                        "of at least"
+                    } else {
+                        "below"
+                    },
+                    crate::config::TWOSHOT_FROM_BYTES
+                )
+            });
+        }
+        a
+    }
+
+    /// After host calls up to `seq` ended with `r`: the counters follow,
+    /// a failure sticks.
+    fn host_done(&mut self, seq: u64, r: Result<()>) -> Result<()> {
         let r = r.and_then(|()| self.host_seq_done(seq));
         if r.is_err() {
             self.seq = seq;
         }
         r.map_err(|e| self.fail(e))
+    }
+
+    /// A host reduce-scatter (`gather` false) or all-gather (`gather`
+    /// true) of `n` elements per rank (see `algo::collective`).
+    pub(crate) fn host_collective<T: Element>(
+        &mut self,
+        gather: bool,
+        n: usize,
+        bufs: collective::Bufs<'_, T>,
+        op: crate::Op,
+    ) -> Result<()> {
+        self.ready()?;
+        let first = self.next_host_seq().map_err(|e| self.fail(e))?;
+        let per = self.max_count(T::DTYPE);
+        let env = oneshot::Env {
+            region: &self.region,
+            layout: &self.layout,
+            cfg: &self.cfg,
+            link: &self.link,
+        };
+        let (seq, r) = if gather {
+            collective::all_gather(&env, first, per, n, bufs)
+        } else {
+            collective::reduce_scatter(&env, first, per, n, bufs, op)
+        };
+        self.host_done(seq, r)
     }
 
     /// Refuses a host call without leaving the peers to time out: it

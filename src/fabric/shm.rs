@@ -358,7 +358,17 @@ impl Fabric for ShmFabric {
         // this seq, and the peer reads recv[p][me] only after that flag
         // (kernels/arx_abi.h, rule 5 of DESIGN.md): nothing else touches
         // either range now.
-        unsafe { protocol::post_shm(&at(me), me, layout.peers().map(at), seq, bytes, flag) };
+        unsafe {
+            protocol::post_shm(
+                &at(me),
+                me,
+                layout.world(),
+                layout.peers().map(|q| (q, at(q))),
+                seq,
+                bytes,
+                flag,
+            )
+        };
         Ok(())
     }
 

@@ -292,14 +292,14 @@ impl Memory for Placed<'_> {
         self.region
             .u64_at(self.layout.flag_offset(parity, src, lane))
     }
-    unsafe fn write_send(&self, parity: usize, src: &[u8]) {
+    unsafe fn write_send(&self, parity: usize, at: usize, src: &[u8]) {
         assert!(
-            src.len() <= self.layout.slot_bytes(),
+            at + src.len() <= self.layout.slot_bytes(),
             "partial exceeds the slot"
         );
         // SAFETY: the slot is the caller's (the trait's contract), which is
         // `Region::write`'s.
-        unsafe { self.region.write(self.layout.send_offset(parity), src) }
+        unsafe { self.region.write(self.layout.send_offset(parity) + at, src) }
     }
     unsafe fn read_partial(&self, parity: usize, src: usize, at: usize, dst: &mut [u8]) {
         let off = if src == self.layout.rank() {

@@ -203,8 +203,8 @@ fn flag_word_round_trips() {
     let more = crate::abi::ARX_FLAG_MORE as usize;
     for (seq, dtype, count, m) in [
         (1u64, 1u32, 1usize, false),
-        (0x1_2345_6789, 3, 0x07ff_ffff, false),
-        (0x1_2345_6789, 3, 0x07ff_f000, true),
+        (0x1_2345_6789, 3, 0x01ff_ffff, false),
+        (0x1_2345_6789, 3, 0x01ff_f000, true),
         (7, 2, 12345, false),
         (7, 2, 12345, true),
     ] {
@@ -222,12 +222,68 @@ fn flag_word_round_trips() {
     use crate::protocol::flag_word_op;
     for op in 0..4 {
         for dtype in 0..4 {
-            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x07ff_f000 | more);
-            assert_eq!(flag_call(f), (dtype, 0x07ff_f000));
+            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x01ff_f000 | more);
+            assert_eq!(flag_call(f), (dtype, 0x01ff_f000));
             assert_eq!(flag_seq(f), 0x2345_6789);
             assert_eq!(crate::dtype::CallDesc::of_flag(f).op.code(), op);
             if op > 0 {
-                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x07ff_f000 | more));
+                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x01ff_f000 | more));
+            }
+        }
+    }
+    // The pattern bits sit between MORE and the count: flag_call strips
+    // them, flag_pattern reads them, and two patterns never share a word.
+    use crate::protocol::{count_field, flag_pattern};
+    for pattern in 0..3 {
+        for m in [false, true] {
+            let f = flag_word(9, 2, count_field(0x01ff_f000, m, pattern));
+            assert_eq!(flag_call(f), (2, 0x01ff_f000));
+            assert_eq!(flag_pattern(f), pattern);
+            assert_eq!(crate::protocol::flag_more(f), m);
+            for other in 0..3 {
+                if other != pattern {
+                    assert_ne!(f, flag_word(9, 2, count_field(0x01ff_f000, m, other)));
+                }
+            }
+        }
+    }
+    // No call's word is the poison word: its count field has pattern 3.
+    let poison = crate::abi::ARX_FLAG_POISON_COUNT;
+    assert_eq!(flag_pattern(u64::from(poison)), 3);
+    assert!((poison & crate::abi::ARX_FLAG_ELEMS_MASK) > crate::abi::ARX_MAX_CHUNK);
+}
+
+/// The shard rule of `kernels/arx_abi.h`, against a direct reading of it:
+/// exact blocks when the world divides the count, otherwise equal blocks
+/// rounded up to 16 bytes; together they cover the call once, in order.
+#[test]
+fn shards_cover_the_call_once() {
+    use crate::protocol::shard;
+    for esize in [2usize, 4] {
+        let a = 16 / esize;
+        for world in 1..=17usize {
+            for count in (0..300).chain([4096, 4097, 65536, 1 << 20]) {
+                let len = if count % world == 0 {
+                    count / world
+                } else {
+                    count.div_ceil(world)
+                };
+                let len = if count % world == 0 {
+                    len
+                } else {
+                    len.div_ceil(a) * a
+                };
+                let mut at = 0;
+                for q in 0..world {
+                    let s = shard(count, world, esize, q);
+                    assert_eq!(s.start, at, "count {count} world {world} shard {q}");
+                    assert_eq!(s.end, count.min((q + 1) * len));
+                    if count % world != 0 && s.start < count {
+                        assert_eq!((s.start * esize) % 16, 0);
+                    }
+                    at = s.end;
+                }
+                assert_eq!(at, count, "count {count} world {world}");
             }
         }
     }

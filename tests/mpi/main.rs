@@ -27,10 +27,12 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 mod chunked;
+mod collectives;
 mod failures;
 mod ops;
 
 use chunked::*;
+use collectives::*;
 use failures::*;
 use ops::*;
 
@@ -173,6 +175,16 @@ fn child() -> ExitCode {
             "one rank's chunked call has another total length",
             chunked_length_mismatch,
         ),
+        (
+            "one answer: one-shot, two-shot, auto, chunked, in place, bit for bit",
+            one_answer,
+        ),
+        (
+            "reduce_scatter and all_gather, every dtype and length, bit for bit",
+            reduce_scatter_all_gather,
+        ),
+        ("one rank runs another algorithm", algo_mismatch),
+        ("one rank calls another collective", collective_mismatch),
         (
             "a refusal is seen while another rank is silent (3+ ranks)",
             refusal_past_silence,

@@ -13,8 +13,10 @@ use super::{errno_text, verbs_err, VerbsFabric, KICK_AFTER, POLL_BATCH};
 use crate::dtype::POISON_COUNT;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
-use crate::layout::{flag_word, Layout};
+use crate::layout::flag_word;
+use crate::protocol;
 use crate::spin::Backoff;
+use crate::topology::route::Route;
 
 /// Bits of a WR id that hold the QP's WR count; the link index sits above.
 const WR_COUNT_BITS: u32 = 48;
@@ -110,33 +112,44 @@ impl VerbsFabric {
             // call reaches it: forwards of its earlier calls must be done.
             self.relay_wait(q, seq)?;
             let rail = self.rails[q][(seq % nrails as u64) as usize];
+            let ranges = self.ranges_for(q, flag, bytes);
             for (lane, &i) in rail.iter().enumerate() {
                 let rr = self.links[i].remote;
-                let part = Layout::lane_range(bytes, lane);
                 let flag_remote = rr.addr + self.layout.flag_offset(p, me, lane) as u64;
                 let lkey = self.devices[self.links[i].dev].mr.lkey();
-                let data = Write {
-                    local: src + part.start as u64,
-                    len: part.len() as u32,
-                    lkey: Some(lkey),
-                    remote: rr.addr + dst_data + part.start as u64,
-                    rkey: rr.rkey,
-                };
+                // Each range's part on this lane, at the same offsets in
+                // q's recv[p][me], then the flag (RC order: after them).
+                let mut writes: Vec<Write> = ranges
+                    .iter()
+                    .map(|r| protocol::lane_part(r, lane))
+                    .filter(|part| !part.is_empty())
+                    .map(|part| Write {
+                        local: src + part.start as u64,
+                        len: part.len() as u32,
+                        lkey: Some(lkey),
+                        remote: rr.addr + dst_data + part.start as u64,
+                        rkey: rr.rkey,
+                    })
+                    .collect();
                 // INLINE: the word is copied when posted; `flag` is a value.
-                let flag_wr = Write {
+                writes.push(Write {
                     local: &flag as *const u64 as u64,
                     len: 8,
                     lkey: None,
                     remote: flag_remote,
                     rkey: rr.rkey,
-                };
+                });
                 let each = self.signal_each_call;
-                if part.is_empty() {
-                    self.reserve(i, 1)?;
-                    self.post_chain(i, &[flag_wr], each, Some(seq))?;
-                } else {
-                    self.reserve(i, 2)?;
-                    self.post_chain(i, &[data, flag_wr], each, Some(seq))?;
+                self.reserve(i, writes.len() as u64)?;
+                // Chains of at most MAX_CHAIN WRs; only the last (with the
+                // flag) completes the call on this QP.
+                let last = (writes.len() - 1) / MAX_CHAIN;
+                for (k, chain) in writes.chunks(MAX_CHAIN).enumerate() {
+                    if k == last {
+                        self.post_chain(i, chain, each, Some(seq))?;
+                    } else {
+                        self.post_chain(i, chain, false, None)?;
+                    }
                 }
                 self.links[i].last_flag = Some((flag_remote, flag));
             }
@@ -144,6 +157,29 @@ impl VerbsFabric {
         self.last_seq = seq;
         self.last_post = Instant::now();
         Ok(())
+    }
+
+    /// The byte ranges of this rank's partial that go to direct peer `q`
+    /// for the call with flag word `flag`: what the call's pattern gives
+    /// `q` itself, and what it gives each rank `q` relays this rank's
+    /// partials to (which `q` forwards lane by lane, see `relay.rs`).
+    /// Sorted, without duplicates or empty ranges, within `bytes`.
+    fn ranges_for(&self, q: usize, flag: u64, bytes: usize) -> Vec<std::ops::Range<usize>> {
+        let (world, me) = (self.layout.world(), self.layout.rank());
+        let relayed = (0..world).filter(
+            |&d| matches!(self.plan.routes.get(d), Some(Some(Route::Relay { via })) if *via == q),
+        );
+        let mut ranges: Vec<_> = std::iter::once(q)
+            .chain(relayed)
+            .map(|d| {
+                let r = protocol::dest_range(flag, world, me, d);
+                r.start.min(bytes)..r.end.min(bytes)
+            })
+            .filter(|r| !r.is_empty())
+            .collect();
+        ranges.sort_by_key(|r| (r.start, r.end));
+        ranges.dedup();
+        ranges
     }
 
     /// Records the first failure and tells every peer still reachable

@@ -3,11 +3,13 @@
 //!
 //! Rank `x` writes its partial and flags into this rank's `recv[p][x]` and
 //! `flags[p][x][lane]` as it does for every direct peer (this rank needs
-//! them for its own sum anyway). The proxy watches those flags and, for
-//! each lane whose flag shows the next call of `x`, writes that lane's part
-//! of `recv[p][x]` and then the same flag word into `y`'s `recv[p][x]` and
-//! `flags[p][x][lane]`, on this rank's QP to `y` (RC order: the flag after
-//! the data). To `y` the partial looks as if `x` had written it: every
+//! them for its own sum anyway), and with them the bytes the call's pattern
+//! gives `y` (for a reduce-scatter step, `y`'s shard besides this rank's;
+//! each lane's part of each range before that lane's flag). The proxy
+//! watches those flags and, for each lane whose flag shows the next call of
+//! `x`, writes that lane's part of what the pattern gives `y` and then the
+//! same flag word into `y`'s `recv[p][x]` and `flags[p][x][lane]`, on this
+//! rank's QP to `y` (RC order: the flag after the data). To `y` the partial looks as if `x` had written it: every
 //! check of the flag word (seq, dtype, count, poison) holds unchanged, and
 //! `y` sums in rank order as always, so the bits equal a direct one-shot.
 //!
@@ -29,9 +31,8 @@ use std::time::Instant;
 
 use super::post::Write;
 use super::{VerbsFabric, LANES};
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
-use crate::protocol::{flag_call, flag_seq};
+use crate::protocol::flag_seq;
 use crate::spin::Backoff;
 
 /// One lane of a relay: the next call of the source to forward, and the
@@ -122,11 +123,13 @@ impl VerbsFabric {
         }
         let i = self.rails[to][(seq % nrails as u64) as usize][lane];
         let p = (seq & 1) as usize;
-        let (dtype, count) = flag_call(word);
-        // A poisoned or refused call carries no data: the flag alone.
-        let bytes = Dtype::from_code(dtype).map_or(0, |d| d.size().saturating_mul(count));
-        let bytes = bytes.min(self.layout.slot_bytes());
-        let part = crate::layout::Layout::lane_range(bytes, lane);
+        // What the call's pattern gives `to` of `from`'s partial (a
+        // poisoned or refused call carries no data: the flag alone); `from`
+        // sent this lane's part of it to this rank before the flag.
+        let range = crate::protocol::dest_range(word, self.layout.world(), from, to);
+        let slot = self.layout.slot_bytes();
+        let range = range.start.min(slot)..range.end.min(slot);
+        let part = crate::protocol::lane_part(&range, lane);
         let rr = self.links[i].remote;
         let recv = self.layout.recv_offset(p, from) as u64;
         let lkey = self.devices[self.links[i].dev].mr.lkey();

@@ -1,0 +1,95 @@
+//! `reduce_scatter` and `all_gather` on host memory (NCCL's definitions,
+//! see `algo::collective`).
+
+use crate::algo::collective::Bufs;
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::{Arx, Op};
+
+impl Arx {
+    /// Reduce-scatter: `input` holds `N·n` elements (N ranks); the sum of
+    /// every rank's `input` is computed and block `r` of it (elements
+    /// `r·n..(r+1)·n`) lands in rank `r`'s `output` of `n` elements. Bit for
+    /// bit block `r` of [`Arx::allreduce_host`] of the same inputs.
+    pub fn reduce_scatter_host<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.reduce_scatter_host_op(input, output, Op::Sum)
+    }
+
+    /// [`Arx::reduce_scatter_host`] with the reduction `op` (see
+    /// [`Arx::allreduce_op`]).
+    pub fn reduce_scatter_host_op<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: Op,
+    ) -> Result<()> {
+        let (world, n) = (self.world(), output.len());
+        if input.len() != world.saturating_mul(n) {
+            let e = Error::InvalidArgument(format!(
+                "reduce_scatter: input has {} elements, expected {world} ranks x {n} (the output's length)",
+                input.len()
+            ));
+            return Err(self.refuse_call(n, e));
+        }
+        self.device
+            .host_collective(false, n, Bufs::Separate(input, output), op)
+    }
+
+    /// In-place [`Arx::reduce_scatter_host`]: `buf` holds `N·n` elements;
+    /// this rank's block (`rank·n..(rank+1)·n`) receives the result, the
+    /// other blocks are left as they were.
+    pub fn reduce_scatter_host_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        self.reduce_scatter_host_in_place_op(buf, Op::Sum)
+    }
+
+    /// [`Arx::reduce_scatter_host_in_place`] with the reduction `op`.
+    pub fn reduce_scatter_host_in_place_op<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: Op,
+    ) -> Result<()> {
+        let world = self.world();
+        if buf.len() % world != 0 {
+            let e = Error::InvalidArgument(format!(
+                "reduce_scatter in place: the buffer's {} elements are not a multiple of {world} ranks",
+                buf.len()
+            ));
+            return Err(self.refuse_call(buf.len() / world, e));
+        }
+        let n = buf.len() / world;
+        self.device
+            .host_collective(false, n, Bufs::InPlace(buf), op)
+    }
+
+    /// All-gather: every rank's `input` of `n` elements, concatenated in
+    /// rank order, lands in every rank's `output` of `N·n` elements.
+    pub fn all_gather_host<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<()> {
+        let (world, n) = (self.world(), input.len());
+        if output.len() != world.saturating_mul(n) {
+            let e = Error::InvalidArgument(format!(
+                "all_gather: output has {} elements, expected {world} ranks x {n} (the input's length)",
+                output.len()
+            ));
+            return Err(self.refuse_call(n, e));
+        }
+        self.device
+            .host_collective(true, n, Bufs::Separate(input, output), Op::Sum)
+    }
+
+    /// In-place [`Arx::all_gather_host`]: `buf` holds `N·n` elements, this
+    /// rank's block (`rank·n..(rank+1)·n`) is its input; every block is
+    /// filled.
+    pub fn all_gather_host_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        let world = self.world();
+        if buf.len() % world != 0 {
+            let e = Error::InvalidArgument(format!(
+                "all_gather in place: the buffer's {} elements are not a multiple of {world} ranks",
+                buf.len()
+            ));
+            return Err(self.refuse_call(buf.len() / world, e));
+        }
+        let n = buf.len() / world;
+        self.device
+            .host_collective(true, n, Bufs::InPlace(buf), Op::Sum)
+    }
+}

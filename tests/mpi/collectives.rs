@@ -1,0 +1,284 @@
+//! Two-shot all-reduce, `reduce_scatter` and `all_gather` (issue 10): one
+//! answer whatever the algorithm, the chunk count or in place, bit for bit
+//! against `verify::reference_op` (which shares no code with the library)
+//! on edge-value inputs; and ranks that disagree on the algorithm or the
+//! collective all fail at once.
+
+use std::time::Instant;
+
+use arx::{Algo, Op, Pattern};
+
+use super::*;
+
+fn bits<T: Element>(v: &[T]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+/// The all-reduce of call `call` (edge inputs, `op`) by instance `arx`,
+/// checked against the reference; returns its bytes.
+fn reduce_by<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    op: Op,
+    call: u64,
+    count: usize,
+    in_place: bool,
+) -> Result<Vec<u8>, String> {
+    let input = verify::input_edges::<T>(SEED, call, ctx.rank, count);
+    let want = verify::expected_op::<T>(op, true, SEED, call, ctx.n, count);
+    let mut out = vec![T::from_f32(0.0); count];
+    let r = if in_place {
+        out.copy_from_slice(&input);
+        arx.allreduce_host_in_place_op(&mut out, op)
+    } else {
+        verify::poison(&mut out);
+        arx.allreduce_host_op(&input, &mut out, op)
+    };
+    let what = format!(
+        "{op} call {call} ({count} x {:?}, {:?}, in place {in_place})",
+        T::DTYPE,
+        arx.config().algo
+    );
+    r.map_err(|e| format!("{what}: {e}"))?;
+    let wrong = verify::count_wrong_op(op, &out, &want);
+    if wrong != 0 {
+        let i = (0..count)
+            .find(|&i| verify::count_wrong_op(op, &out[i..=i], &want[i..=i]) != 0)
+            .unwrap_or(0);
+        return Err(format!(
+            "{what}: {wrong} wrong; first at {i}: got {:?} want {:?}",
+            verify::value_of(&out[i]),
+            verify::value_of(&want[i]),
+        ));
+    }
+    same_everywhere(ctx, verify::digest(&out))?;
+    Ok(bits(&out))
+}
+
+fn one_answer_of<T: Element>(ctx: &Ctx, insts: &mut [Arx], call: &mut u64) -> Result<(), String> {
+    let m = insts[0].max_count::<T>();
+    for op in Op::ALL {
+        for count in [1, 77, 1001, 2 * m + 3] {
+            *call += 1;
+            let mut first: Option<Vec<u8>> = None;
+            for arx in insts.iter_mut() {
+                for in_place in [false, true] {
+                    let got = reduce_by::<T>(ctx, arx, op, *call, count, in_place)?;
+                    match &first {
+                        None => first = Some(got),
+                        Some(f) if *f != got => {
+                            return Err(format!(
+                                "{op} call {call} ({count} x {:?}): {:?} in place {in_place} gave other bits than the first instance",
+                                T::DTYPE,
+                                arx.config().algo
+                            ))
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every op, dtype and length (a one-page slot: the longest calls are
+/// chunked) by one-shot, two-shot and the automatic choice, out of place
+/// and in place: the same bits everywhere, and right.
+pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
+    let mut insts = Vec::new();
+    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Auto] {
+        insts.push(
+            builder()
+                .slot_bytes(4096)
+                .algo(algo)
+                .build(ctx.world)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let mut call = 9000;
+    one_answer_of::<bf16>(ctx, &mut insts, &mut call)?;
+    one_answer_of::<f16>(ctx, &mut insts, &mut call)?;
+    one_answer_of::<f32>(ctx, &mut insts, &mut call)?;
+    // The automatic choice above its threshold (two-shot from 3 ranks)
+    // against one-shot, on a slot large enough for one call.
+    let big = arx::TWOSHOT_FROM_BYTES / 4 + 5;
+    let mut auto = builder()
+        .slot_bytes(1 << 20)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let mut one = builder()
+        .slot_bytes(1 << 20)
+        .algo(Algo::OneShot)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let a = reduce_by::<f32>(ctx, &mut auto, Op::Sum, 9999, big, false)?;
+    let b = reduce_by::<f32>(ctx, &mut one, Op::Sum, 9999, big, false)?;
+    if a != b {
+        return Err("the automatic choice gave other bits than one-shot".into());
+    }
+    Ok(())
+}
+
+fn collectives_of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Result<(), String> {
+    let (world, me) = (ctx.n, ctx.rank);
+    let m = arx.max_count::<T>();
+    for n in [1, 5, 77, 1000, 2 * m / world + 3] {
+        for in_place in [false, true] {
+            // reduce_scatter of N·n elements, every op.
+            for op in Op::ALL {
+                *call += 1;
+                let input = verify::input_edges::<T>(SEED, *call, me, world * n);
+                let want = verify::expected_op::<T>(op, true, SEED, *call, world, world * n);
+                let want = &want[me * n..(me + 1) * n];
+                let what = format!(
+                    "reduce_scatter {op} call {call} ({n} x {:?} per rank, in place {in_place})",
+                    T::DTYPE
+                );
+                let got: Vec<T> = if in_place {
+                    let mut buf = input.clone();
+                    arx.reduce_scatter_host_in_place_op(&mut buf, op)
+                        .map_err(|e| format!("{what}: {e}"))?;
+                    // The other blocks are left as they were.
+                    for q in (0..world).filter(|&q| q != me) {
+                        if bits(&buf[q * n..(q + 1) * n]) != bits(&input[q * n..(q + 1) * n]) {
+                            return Err(format!("{what}: block {q} (not this rank's) changed"));
+                        }
+                    }
+                    buf[me * n..(me + 1) * n].to_vec()
+                } else {
+                    let mut out = vec![T::from_f32(0.0); n];
+                    verify::poison(&mut out);
+                    arx.reduce_scatter_host_op(&input, &mut out, op)
+                        .map_err(|e| format!("{what}: {e}"))?;
+                    out
+                };
+                let wrong = verify::count_wrong_op(op, &got, want);
+                if wrong != 0 {
+                    return Err(format!("{what}: {wrong} wrong"));
+                }
+            }
+            // all_gather of n elements per rank: every rank's exact bits.
+            *call += 1;
+            let what = format!(
+                "all_gather call {call} ({n} x {:?} per rank, in place {in_place})",
+                T::DTYPE
+            );
+            let mine = verify::input_edges::<T>(SEED, *call, me, n);
+            let want: Vec<T> = (0..world)
+                .flat_map(|q| verify::input_edges::<T>(SEED, *call, q, n))
+                .collect();
+            let mut out = vec![T::from_f32(0.0); world * n];
+            verify::poison(&mut out);
+            if in_place {
+                out[me * n..(me + 1) * n].copy_from_slice(&mine);
+                arx.all_gather_host_in_place(&mut out)
+            } else {
+                arx.all_gather_host(&mine, &mut out)
+            }
+            .map_err(|e| format!("{what}: {e}"))?;
+            if bits(&out) != bits(&want) {
+                let i = (0..out.len())
+                    .find(|&i| bits(&out[i..=i]) != bits(&want[i..=i]))
+                    .unwrap_or(0);
+                return Err(format!(
+                    "{what}: element {i} (rank {}'s) is {:?}, want {:?}",
+                    i / n.max(1),
+                    verify::value_of(&out[i]),
+                    verify::value_of(&want[i])
+                ));
+            }
+            same_everywhere(ctx, verify::digest(&out))?;
+        }
+    }
+    Ok(())
+}
+
+/// reduce_scatter (every op) and all_gather, every dtype, lengths from 1
+/// element per rank to longer than one slot, in place and not.
+pub(super) fn reduce_scatter_all_gather(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder()
+        .slot_bytes(4096)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let mut call = 12000;
+    collectives_of::<bf16>(ctx, &mut arx, &mut call)?;
+    collectives_of::<f16>(ctx, &mut arx, &mut call)?;
+    collectives_of::<f32>(ctx, &mut arx, &mut call)?;
+    // The instance still all-reduces right afterwards.
+    checked::<f32>(ctx, &mut arx, 12999, 300, false)
+}
+
+/// Rank 0 all-reduces two-shot, the others one-shot: every rank fails at
+/// once naming a peer, and the message says which step each called.
+pub(super) fn algo_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let algo = if ctx.rank == 0 {
+        Algo::TwoShot
+    } else {
+        Algo::OneShot
+    };
+    let mut arx = builder()
+        .algo(algo)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let input = verify::input::<f32>(SEED, 1, ctx.rank, 64);
+    let mut out = vec![0f32; 64];
+    let t = Instant::now();
+    let r = arx.allreduce_host(&input, &mut out);
+    let timeout = arx.config().timeout;
+    expect_err("algorithm mismatch", r, |e| match e {
+        Error::CallMismatch { ours, theirs, .. } => {
+            let scatter = |p: Pattern| p == Pattern::Scatter;
+            scatter(ours.pattern) != scatter(theirs.pattern)
+                && e.to_string().contains("reduce-scatter step")
+        }
+        _ => false,
+    })?;
+    if t.elapsed() > timeout / 2 {
+        return Err(format!("the algorithm mismatch took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+/// Rank 0 calls all_gather, the others reduce_scatter of the same total:
+/// every rank fails at once. Then (a fresh instance) rank 0 passes a
+/// reduce_scatter input of the wrong length: it gets `InvalidArgument`,
+/// its peers fail at once naming it.
+pub(super) fn collective_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let n = 16;
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let timeout = arx.config().timeout;
+    let t = Instant::now();
+    let r = if ctx.rank == 0 {
+        let mine = verify::input::<f32>(SEED, 2, ctx.rank, n);
+        let mut out = vec![0f32; ctx.n * n];
+        arx.all_gather_host(&mine, &mut out)
+    } else {
+        let input = verify::input::<f32>(SEED, 2, ctx.rank, ctx.n * n);
+        let mut out = vec![0f32; n];
+        arx.reduce_scatter_host(&input, &mut out)
+    };
+    expect_err(
+        "collective mismatch",
+        r,
+        |e| matches!(e, Error::CallMismatch { ours, theirs, .. } if ours.pattern != theirs.pattern),
+    )?;
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let len = if ctx.rank == 0 {
+        ctx.n * n + 1
+    } else {
+        ctx.n * n
+    };
+    let input = verify::input::<f32>(SEED, 3, ctx.rank, len);
+    let mut out = vec![0f32; n];
+    let r = arx.reduce_scatter_host(&input, &mut out);
+    expect_err("reduce_scatter length", r, |e| match e {
+        Error::InvalidArgument(m) => ctx.rank == 0 && m.contains("reduce_scatter"),
+        Error::CallMismatch { peer: 0, .. } => ctx.rank != 0,
+        _ => false,
+    })?;
+    if t.elapsed() > timeout / 2 {
+        return Err(format!("the mismatches took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
