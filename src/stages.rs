@@ -237,7 +237,13 @@ mod tests {
         let t = Trace::new();
         // Call 3 on the device side; the proxy already posted call 4 (a
         // GPU instance's kernel may end before its own proxy posted).
-        for m in [Mark::Entry, Mark::Published, Mark::Arrived, Mark::Reduced, Mark::End] {
+        for m in [
+            Mark::Entry,
+            Mark::Published,
+            Mark::Arrived,
+            Mark::Reduced,
+            Mark::End,
+        ] {
             t.mark(m, 3);
         }
         t.mark(Mark::Pickup, 4);

@@ -65,6 +65,7 @@ mod check;
 mod gpu;
 mod nccl;
 mod report;
+mod stages;
 mod stats;
 mod table;
 use gpu::*;
@@ -140,6 +141,12 @@ struct Args {
     /// (robust to the stalls of an emulated or shared machine).
     #[arg(long)]
     median: bool,
+    /// Per-stage times of one call instead of the sweep: 8K, 64K, 256K and
+    /// 1M (up to -e), -n calls each, of -d's type (bfloat16 for "all"); see
+    /// docs/GB10.md for what each column is and which model stage it
+    /// checks.
+    #[arg(long)]
+    stages: bool,
     #[arg(skip = Across::Slowest)]
     across: Across,
 }
@@ -243,7 +250,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         sizes.push(size);
         size = size.saturating_mul(args.factor);
     }
-    let wrong = if arx.cuda_context().is_some() {
+    let wrong = if args.stages {
+        stages::run_stages(&mut run, &mut arx, &dtypes, max)?
+    } else if arx.cuda_context().is_some() {
         run_gpu(&mut run, &mut arx, &dtypes, &sizes)?
     } else if args.graph > 0 {
         return Err(format!(
