@@ -142,8 +142,9 @@ struct Args {
     #[arg(long)]
     median: bool,
     /// Per-stage times of one call instead of the sweep: 8K, 64K, 256K and
-    /// 1M (up to -e), -n calls each, of -d's type (bfloat16 for "all"); see
-    /// docs/GB10.md for what each column is and which model stage it
+    /// 1M (up to -e), -n calls each, of -d's type (bfloat16 for "all"),
+    /// every result checked; sum only; -b, -f, -G, -I, -a and -J do not apply.
+    /// See docs/GB10.md for what each column is and which model stage it
     /// checks.
     #[arg(long)]
     stages: bool,
@@ -224,6 +225,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     }
     let op = arx::Op::from_name(&args.op)
         .ok_or_else(|| format!("-o {}: expected sum, max, min or avg", args.op))?;
+    if args.stages && op != arx::Op::Sum {
+        return Err(format!("-o {}: --stages times sums only", args.op));
+    }
     let dtypes: Vec<&'static str> = match args.dtype.as_str() {
         "all" => vec!["bfloat16", "half", "float"],
         d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![dtype_name(d)],
@@ -262,7 +266,7 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     } else {
         run_host(&mut run, &mut arx, &dtypes, &sizes)?
     };
-    if world.rank() == 0 {
+    if world.rank() == 0 && !args.stages {
         if let Some(path) = &args.json {
             run.report.write(path)?;
             println!("# JSON written to {path}");

@@ -146,7 +146,7 @@ pub(super) fn run_stages(
     if rank0 {
         common_header(run, &d, &hosts, &devices);
         println!(
-            "# --stages: {dt}, one call per row's size; each column: each rank's median over -n calls (µs), the largest over ranks"
+            "# --stages: {dt}, one call per row's size; each column: each rank's median over -n calls (µs), the largest over ranks (-a does not apply)"
         );
         println!("#   stage  = partial copied into the send slot + publish (host side)");
         println!("#   pickup = publish -> the proxy's post begins");
