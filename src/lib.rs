@@ -255,6 +255,7 @@ pub mod probe;
 mod protocol;
 mod proxy;
 mod spin;
+pub mod stages;
 mod sync;
 pub mod topology;
 pub mod verify;
@@ -280,6 +281,7 @@ pub use error::{Error, Result};
 pub use layout::Layout;
 pub use op::Op;
 pub use probe::{Bandwidth, Latency, ProbeOptions, RailProbe};
+pub use stages::Stages;
 pub use wire::PeerInfo;
 
 use bootstrap::Bootstrap;
@@ -408,6 +410,23 @@ impl Arx {
     pub fn probe_rails(&mut self, opts: &ProbeOptions) -> Result<Vec<RailProbe>> {
         self.device.check()?;
         self.proxy.probe_rails(opts)
+    }
+
+    /// Turns the stage trace on or off for the calls that follow: the
+    /// device side and the proxy take the time at each stage of a call
+    /// (see [`stages`] for the stages, and what a GPU instance records).
+    /// Per rank, not collective; off by default, and then it costs one
+    /// predictable branch per stage.
+    pub fn trace_stages(&mut self, on: bool) {
+        self.proxy.set_trace(on);
+    }
+
+    /// The stages of the last call traced on this rank (see
+    /// [`Arx::trace_stages`]): the last chunk of a call longer than one
+    /// slot. Stages that were not recorded are `None`. On a GPU instance,
+    /// synchronize first ([`Arx::check`]) to read a finished call.
+    pub fn last_stages(&self) -> Stages {
+        self.proxy.stages()
     }
 
     /// A barrier over the instance's private communicator, bounded by the

@@ -21,6 +21,7 @@ use crate::fabric::Fabric;
 use crate::layout::{peer_flags, Layout, Region};
 use crate::protocol;
 use crate::spin::Backoff;
+use crate::stages::{Mark, Trace};
 
 /// The fabric and how far it has posted. Whoever holds the lock posts every
 /// published seq in order: the proxy thread always may, and the Host device
@@ -49,6 +50,9 @@ struct Shared {
     running: AtomicBool,
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
+    /// The stage trace (`crate::stages`); its proxy marks are made under
+    /// the engine lock.
+    trace: Trace,
 }
 
 impl Shared {
@@ -91,9 +95,16 @@ impl Shared {
                 )));
                 break;
             }
+            let traced = self.trace.active();
+            if let Some(t) = traced {
+                t.mark(Mark::Pickup, seq);
+            }
             if let Err(e) = g.fabric.post(seq, bytes, flag) {
                 self.record(e);
                 break;
+            }
+            if let Some(t) = traced {
+                t.mark(Mark::Posted, seq);
             }
             g.posted = seq;
             busy = true;
@@ -200,6 +211,7 @@ impl Proxy {
             running: AtomicBool::new(true),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
+            trace: Trace::new(),
         });
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
@@ -256,6 +268,11 @@ impl Link {
     /// The error the proxy recorded, if any.
     pub fn error(&self) -> Option<Error> {
         self.0.error()
+    }
+    /// The stage trace while it is on (one relaxed load when off).
+    #[inline]
+    pub fn trace(&self) -> Option<&Trace> {
+        self.0.trace.active()
     }
     /// Ok while the proxy runs and has recorded no error.
     pub fn health(&self) -> Result<()> {
@@ -335,6 +352,18 @@ impl Proxy {
             )));
         }
         g.fabric.probe_rails(opts)
+    }
+
+    /// Turns the stage trace on or off.
+    pub fn set_trace(&self, on: bool) {
+        self.shared.trace.set(on);
+    }
+
+    /// The last traced call's stages, read under the engine lock (so the
+    /// proxy's marks of a call are seen whole).
+    pub fn stages(&self) -> crate::stages::Stages {
+        let _g = self.shared.engine.lock().unwrap_or_else(|e| e.into_inner());
+        self.shared.trace.read()
     }
 
     /// True when the fabric wants a collective close (see [`Fabric`]).

@@ -100,7 +100,7 @@ fn gpu_layout(args: &Args, nccl: bool) -> Layout {
 }
 
 /// "NVIDIA H200 (CUDA device 0, GPU-…)" for this rank.
-fn gpu_desc(ctx: &Arc<arx::cudarc::driver::CudaContext>) -> String {
+pub(super) fn gpu_desc(ctx: &Arc<arx::cudarc::driver::CudaContext>) -> String {
     let name = ctx.name().unwrap_or_else(|e| format!("name unknown: {e}"));
     let uuid = ctx.uuid().map_or_else(
         |_| "uuid unknown".to_string(),

@@ -65,6 +65,7 @@ mod check;
 mod gpu;
 mod nccl;
 mod report;
+mod stages;
 mod stats;
 mod table;
 use gpu::*;
@@ -140,6 +141,13 @@ struct Args {
     /// (robust to the stalls of an emulated or shared machine).
     #[arg(long)]
     median: bool,
+    /// Per-stage times of one call instead of the sweep: 8K, 64K, 256K and
+    /// 1M (up to -e), -n calls each, of -d's type (bfloat16 for "all"),
+    /// every result checked; sum only; -b, -f, -G, -I, -a and -J do not apply.
+    /// See docs/GB10.md for what each column is and which model stage it
+    /// checks.
+    #[arg(long)]
+    stages: bool,
     #[arg(skip = Across::Slowest)]
     across: Across,
 }
@@ -217,6 +225,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     }
     let op = arx::Op::from_name(&args.op)
         .ok_or_else(|| format!("-o {}: expected sum, max, min or avg", args.op))?;
+    if args.stages && op != arx::Op::Sum {
+        return Err(format!("-o {}: --stages times sums only", args.op));
+    }
     let dtypes: Vec<&'static str> = match args.dtype.as_str() {
         "all" => vec!["bfloat16", "half", "float"],
         d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![dtype_name(d)],
@@ -243,7 +254,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         sizes.push(size);
         size = size.saturating_mul(args.factor);
     }
-    let wrong = if arx.cuda_context().is_some() {
+    let wrong = if args.stages {
+        stages::run_stages(&mut run, &mut arx, &dtypes, max)?
+    } else if arx.cuda_context().is_some() {
         run_gpu(&mut run, &mut arx, &dtypes, &sizes)?
     } else if args.graph > 0 {
         return Err(format!(
@@ -253,7 +266,7 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     } else {
         run_host(&mut run, &mut arx, &dtypes, &sizes)?
     };
-    if world.rank() == 0 {
+    if world.rank() == 0 && !args.stages {
         if let Some(path) = &args.json {
             run.report.write(path)?;
             println!("# JSON written to {path}");

@@ -20,6 +20,7 @@ use crate::layout::{Layout, Placed, Region};
 use crate::protocol::{self, Look, Memory};
 use crate::proxy::Link;
 use crate::spin::Backoff;
+use crate::stages::Mark;
 use crate::{Config, Staging};
 
 /// What one call needs: the instance's region, layout, settings and proxy.
@@ -84,6 +85,11 @@ pub(crate) fn host<T: Element>(
         chunked::count_field(count, more),
     );
 
+    // The stage trace (`crate::stages`): one predictable branch when off.
+    let trace = link.trace();
+    if let Some(t) = trace {
+        t.mark(Mark::Entry, seq);
+    }
     // 1. Stage the partial, announce the call, publish seq (release).
     let src: &[u8] = match input {
         Some(i) => bytemuck::cast_slice(i),
@@ -94,12 +100,18 @@ pub(crate) fn host<T: Element>(
     // this rank needed to end seq-1. `src` is the caller's memory; the
     // chunking (`algo::chunked`) bounds its length by the slot.
     unsafe { protocol::stage_and_publish(&mem, seq, flag, src) };
+    if let Some(t) = trace {
+        t.mark(Mark::Published, seq);
+    }
     // Post it from this thread rather than waking the proxy (same order:
     // posting is serialised by the engine lock).
     link.pump(true);
 
     // 2. Wait for both lanes of every peer, bounded.
     wait_flags(env, seq, flag)?;
+    if let Some(t) = trace {
+        t.mark(Mark::Arrived, seq);
+    }
 
     // 3. Sum in rank order (own partial from the send slot: the same bytes
     //    every peer received).
@@ -111,6 +123,9 @@ pub(crate) fn host<T: Element>(
         unsafe { mem.read_partial(p, r, at, dst) }
     };
     reduce_in_rank_order(op, world, part, output);
+    if let Some(t) = trace {
+        t.mark(Mark::Reduced, seq);
+    }
 
     // 4. Copy-engine staging: return only once this rank's own sends of
     //    this call completed locally (`ctrl.sent`). On a GPU instance a host
@@ -125,6 +140,9 @@ pub(crate) fn host<T: Element>(
     // Release as the kernel's store, though the watchdog needs no more than
     // Relaxed (see `Ctrl::done`).
     region.ctrl().done().store(seq, Ordering::Release);
+    if let Some(t) = trace {
+        t.mark(Mark::End, seq);
+    }
     Ok(())
 }
 
@@ -455,6 +473,27 @@ mod tests {
             other => panic!("expected a mismatch naming peer 1, got {other:?}"),
         }
         r.control.completed.store(1, Ordering::Release);
+    }
+
+    /// The stage trace records every stage of a host call through the real
+    /// path (the proxy's post included), contiguous; and nothing while off.
+    #[test]
+    fn the_stage_trace_covers_a_host_call() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        r.peer_sends(1);
+        r.call(1).0.unwrap();
+        assert_eq!(r.proxy.stages().seq, 0, "traced while off");
+        r.proxy.set_trace(true);
+        r.peer_sends(2);
+        let (res, out) = r.call(2);
+        res.unwrap();
+        assert_sum(2, &out);
+        let s = r.proxy.stages();
+        assert_eq!(s.seq, 2);
+        let sum: Duration = s.named().iter().map(|(n, d)| d.expect(n)).sum();
+        assert_eq!(Some(sum), s.whole);
+        assert!(sum > Duration::ZERO);
+        r.control.completed.store(2, Ordering::Release);
     }
 
     #[test]

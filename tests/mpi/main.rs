@@ -30,11 +30,13 @@ mod chunked;
 mod collectives;
 mod failures;
 mod ops;
+mod stages;
 
 use chunked::*;
 use collectives::*;
 use failures::*;
 use ops::*;
+use stages::*;
 
 const SEED: u64 = 0x5eed_a2c0;
 
@@ -154,6 +156,10 @@ fn child() -> ExitCode {
         ),
         ("burst of mixed sizes and dtypes", burst),
         ("two instances side by side", two_instances),
+        (
+            "stage trace: every stage, adding up to the call",
+            stage_trace,
+        ),
         ("one rank configured differently", config_mismatch),
         ("one rank calls with another length", length_mismatch),
         ("one rank calls with another dtype", dtype_mismatch),
