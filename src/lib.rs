@@ -421,9 +421,12 @@ impl Arx {
         self.proxy.set_trace(on);
     }
 
-    /// The stages of the last call traced on this rank (see
+    /// The stages of the last one-shot all-reduce traced on this rank (see
     /// [`Arx::trace_stages`]): the last chunk of a call longer than one
-    /// slot. Stages that were not recorded are `None`. On a GPU instance,
+    /// slot. Stages that were not recorded are `None`. Two-shot calls,
+    /// `reduce_scatter` and `all_gather` are not traced (build with
+    /// `Algo::OneShot` to trace every all-reduce, as `allreduce_perf
+    /// --stages` does). On a GPU instance,
     /// synchronize first ([`Arx::check`]) to read a finished call.
     pub fn last_stages(&self) -> Stages {
         self.proxy.stages()

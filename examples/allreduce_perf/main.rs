@@ -239,6 +239,11 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     if std::env::var_os("ARX_SLOT_BYTES").is_none() {
         builder = builder.slot_bytes(arx::DEFAULT_SLOT_BYTES.min(max.next_power_of_two()));
     }
+    if args.stages {
+        // The trace records the stages of a one-shot call (a two-shot call
+        // has two rounds of them).
+        builder = builder.algo(arx::Algo::OneShot);
+    }
     let mut arx = builder.build(world).map_err(|e| e.to_string())?;
     let mut run = Run {
         args,
