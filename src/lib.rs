@@ -86,7 +86,8 @@
 //! * Every wait is bounded: each collective step of start-up by the start-up
 //!   timeout, everything after start-up by the call timeout. A rank that
 //!   stops calling makes the others return [`Error::Timeout`].
-//! * Ranks that disagree (settings, or a call's length, dtype or [`Op`])
+//! * Ranks that disagree (settings, or a call's length, dtype, [`Op`],
+//!   algorithm or collective)
 //!   all get an error; none computes a wrong sum. Whatever the settings, every rank
 //!   runs the same sequence of start-up collectives.
 //! * Memory is fixed at construction; no allocation on the call path.
@@ -131,6 +132,17 @@
 //!   [`Error::CallMismatch`] at the first chunk where they differ (earlier
 //!   chunks' results may already be in the output). A zero-length call is
 //!   one call moving no data.
+//! * The algorithm does not change the bits. An all-reduce runs one-shot
+//!   (every partial to every peer, one round trip) or two-shot (a
+//!   reduce-scatter step, then an all-gather step: each rank reduces one
+//!   shard by the rule above and sends it to every peer), by [`Algo`]
+//!   (`ARX_ALGO`, default [`Algo::Auto`]: [`Algo::choose`]); every element
+//!   is still reduced once, in rank order, so the result is identical.
+//!   [`Arx::reduce_scatter_host`] leaves on rank `r` bit for bit block `r`
+//!   of the all-reduce of the same inputs; [`Arx::all_gather_host`] copies
+//!   bits. Ranks whose calls run different algorithms or collectives (the
+//!   pattern travels in every flag word) all fail that call at once with
+//!   [`Error::CallMismatch`].
 //!
 //! ### Start-up, timeouts and retrying
 //!
