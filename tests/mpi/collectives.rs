@@ -14,25 +14,27 @@ fn bits<T: Element>(v: &[T]) -> Vec<u8> {
     bytemuck::cast_slice(v).to_vec()
 }
 
-/// The all-reduce of call `call` (edge inputs, `op`) by instance `arx`,
-/// checked against the reference; returns its bytes.
+/// The all-reduce of `input` (this rank's edge inputs of call `call`,
+/// `op`) by instance `arx`, checked against `want` (the reference);
+/// returns its bytes.
+#[allow(clippy::too_many_arguments)]
 fn reduce_by<T: Element>(
     ctx: &Ctx,
     arx: &mut Arx,
     op: Op,
     call: u64,
-    count: usize,
+    input: &[T],
+    want: &[T],
     in_place: bool,
 ) -> Result<Vec<u8>, String> {
-    let input = verify::input_edges::<T>(SEED, call, ctx.rank, count);
-    let want = verify::expected_op::<T>(op, true, SEED, call, ctx.n, count);
+    let count = input.len();
     let mut out = vec![T::from_f32(0.0); count];
     let r = if in_place {
-        out.copy_from_slice(&input);
+        out.copy_from_slice(input);
         arx.allreduce_host_in_place_op(&mut out, op)
     } else {
         verify::poison(&mut out);
-        arx.allreduce_host_op(&input, &mut out, op)
+        arx.allreduce_host_op(input, &mut out, op)
     };
     let what = format!(
         "{op} call {call} ({count} x {:?}, {:?}, in place {in_place})",
@@ -40,7 +42,7 @@ fn reduce_by<T: Element>(
         arx.config().algo
     );
     r.map_err(|e| format!("{what}: {e}"))?;
-    let wrong = verify::count_wrong_op(op, &out, &want);
+    let wrong = verify::count_wrong_op(op, &out, want);
     if wrong != 0 {
         let i = (0..count)
             .find(|&i| verify::count_wrong_op(op, &out[i..=i], &want[i..=i]) != 0)
@@ -60,10 +62,13 @@ fn one_answer_of<T: Element>(ctx: &Ctx, insts: &mut [Arx], call: &mut u64) -> Re
     for op in Op::ALL {
         for count in [1, 77, 1001, 2 * m + 3] {
             *call += 1;
+            // One reference for every instance and form of this call.
+            let input = verify::input_edges::<T>(SEED, *call, ctx.rank, count);
+            let want = verify::expected_op::<T>(op, true, SEED, *call, ctx.n, count);
             let mut first: Option<Vec<u8>> = None;
             for arx in insts.iter_mut() {
                 for in_place in [false, true] {
-                    let got = reduce_by::<T>(ctx, arx, op, *call, count, in_place)?;
+                    let got = reduce_by::<T>(ctx, arx, op, *call, &input, &want, in_place)?;
                     match &first {
                         None => first = Some(got),
                         Some(f) if *f != got => {
@@ -112,8 +117,10 @@ pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
         .algo(Algo::OneShot)
         .build(ctx.world)
         .map_err(|e| e.to_string())?;
-    let a = reduce_by::<f32>(ctx, &mut auto, Op::Sum, 9999, big, false)?;
-    let b = reduce_by::<f32>(ctx, &mut one, Op::Sum, 9999, big, false)?;
+    let input = verify::input_edges::<f32>(SEED, 9999, ctx.rank, big);
+    let want = verify::expected_op::<f32>(Op::Sum, true, SEED, 9999, ctx.n, big);
+    let a = reduce_by::<f32>(ctx, &mut auto, Op::Sum, 9999, &input, &want, false)?;
+    let b = reduce_by::<f32>(ctx, &mut one, Op::Sum, 9999, &input, &want, false)?;
     if a != b {
         return Err("the automatic choice gave other bits than one-shot".into());
     }
@@ -124,13 +131,14 @@ fn collectives_of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Resul
     let (world, me) = (ctx.n, ctx.rank);
     let m = arx.max_count::<T>();
     for n in [1, 5, 77, 1000, 2 * m / world + 3] {
-        for in_place in [false, true] {
-            // reduce_scatter of N·n elements, every op.
-            for op in Op::ALL {
-                *call += 1;
-                let input = verify::input_edges::<T>(SEED, *call, me, world * n);
-                let want = verify::expected_op::<T>(op, true, SEED, *call, world, world * n);
-                let want = &want[me * n..(me + 1) * n];
+        // reduce_scatter of N·n elements, every op (one reference for both
+        // forms).
+        for op in Op::ALL {
+            *call += 1;
+            let input = verify::input_edges::<T>(SEED, *call, me, world * n);
+            let want = verify::expected_op::<T>(op, true, SEED, *call, world, world * n);
+            let want = &want[me * n..(me + 1) * n];
+            for in_place in [false, true] {
                 let what = format!(
                     "reduce_scatter {op} call {call} ({n} x {:?} per rank, in place {in_place})",
                     T::DTYPE
@@ -158,6 +166,8 @@ fn collectives_of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Resul
                     return Err(format!("{what}: {wrong} wrong"));
                 }
             }
+        }
+        for in_place in [false, true] {
             // all_gather of n elements per rank: every rank's exact bits.
             *call += 1;
             let what = format!(
