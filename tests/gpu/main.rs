@@ -51,6 +51,17 @@
 //! call) and replayed with new input; ranks passing different ops (every
 //! rank fails with `CallMismatch` naming both ops at once).
 //!
+//! Two-shot, reduce_scatter and all_gather (`collectives.rs`): the one-shot
+//! cases above (lengths, graphs, edges, two streams, chunked, ops) rerun
+//! with every instance forced to two-shot; two-shot against one-shot and
+//! the reference bit for bit (every op and dtype at 1, 77, 24·N and a
+//! chunked length); reduce_scatter (every op) and all_gather on every
+//! dtype at 1 to 2c+3 elements per rank, out of place and in place, eager
+//! and captured into a graph; GPU and host calls of reduce_scatter,
+//! all_gather and all-reduces (one-shot and two-shot under `auto`)
+//! alternating across ranks; ranks on different algorithms failing with
+//! `CallMismatch` at once.
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
