@@ -6,12 +6,14 @@
  *                 block, device state, kernel parameters)
  *   device.cuh    memory operations, conversions, accumulate/pack, failure
  *                 recording, block tickets
- *   oneshot.cuh   the one-shot all-reduce
+ *   oneshot.cuh   the one-shot all-reduce (and the wait and the rank-order
+ *                 reduction every algorithm shares)
+ *   twoshot.cuh   the two-shot all-reduce, reduce_scatter and all_gather
  *
  * This file holds only the entry points (one per algorithm and dtype) and
  * the conversion test hook.
  */
-#include "oneshot.cuh"
+#include "twoshot.cuh"
 
 extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_bf16(arx_params_t p) {
     oneshot_run<T_bf16>(p);
@@ -21,6 +23,20 @@ extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_f16(a
 }
 extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_f32(arx_params_t p) {
     oneshot_run<T_f32>(p);
+}
+
+/* kind: ARX_COLL_* (twoshot.cuh); strides in elements. */
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2)
+    arx_collective_bf16(arx_params_t p, u32 kind, u64 in_stride, u64 out_stride) {
+    collective_run<T_bf16>(p, kind, in_stride, out_stride);
+}
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2)
+    arx_collective_f16(arx_params_t p, u32 kind, u64 in_stride, u64 out_stride) {
+    collective_run<T_f16>(p, kind, in_stride, out_stride);
+}
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2)
+    arx_collective_f32(arx_params_t p, u32 kind, u64 in_stride, u64 out_stride) {
+    collective_run<T_f32>(p, kind, in_stride, out_stride);
 }
 
 /* Test hook: converts n f32 bit patterns to bf16 and f16 with the kernels'

@@ -210,7 +210,12 @@ typedef struct arx_gpu_state {
      * (the others watch ready_seq in device memory instead of PCIe). */
     uint32_t poller;
     uint32_t pad;
-    uint64_t reserved[2];
+    /* Two-shot, reduce_scatter, all_gather (kernels/twoshot.cuh): reduce
+     * chunks finished (the block that finishes the last one publishes a
+     * two-shot's gather step), gather chunks handed out. */
+    uint32_t reduced;
+    uint32_t gather_next;
+    uint64_t reserved;
 } arx_gpu_state_t;
 
 /* Kernel parameters, passed by value to every arx kernel. */

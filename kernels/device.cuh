@@ -261,5 +261,26 @@ __device__ __forceinline__ u32 block_ticket(u32 *counter, u32 *s_slot) {
     return *s_slot;
 }
 
+/* Length of every shard but the last ones of a `count`-element call over
+ * `world` ranks (elements of `esize` bytes): kernels/arx_abi.h "Shards",
+ * the rule of src/protocol.rs `shard`. Shard q is elements
+ * [min(q*L, count), min((q+1)*L, count)). */
+__device__ __forceinline__ u32 shard_len(u32 count, u32 world, u32 esize) {
+    if (world == 0) world = 1;
+    if (count % world == 0) return count / world;
+    u32 a = ARX_LANE_ALIGN / esize;
+    if (a == 0) a = 1;
+    u32 per = count / world + 1; /* ceil: world does not divide count */
+    return (per + a - 1) / a * a;
+}
+
+/* The flag word of call `seq` (kernels/arx_abi.h): `fields` are the count
+ * field's bits above the element count (ARX_FLAG_MORE, the pattern). */
+__device__ __forceinline__ u64 make_flag(u64 seq, u32 op, u32 dtype, u32 count, u32 fields) {
+    return ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
+           ((u64)(op & ARX_FLAG_OP_MASK) << ARX_FLAG_OP_SHIFT) |
+           ((u64)(dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
+           ((u64)(count | fields) & ARX_FLAG_COUNT_MASK);
+}
 
 #endif /* ARX_DEVICE_CUH */

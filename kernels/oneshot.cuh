@@ -79,6 +79,204 @@ __device__ __forceinline__ void acc_op(u32 op, float *acc, vec4 v) {
     }
 }
 
+/* Waits, for the whole block, until every peer's flags of call `seq` carry
+ * `flag` and this GPU side's own part of the call is out (`*own_done` has
+ * reached `own_target`: the staging, or whatever the call published),
+ * bounded by the deadline and the abort word. Returns true if the call
+ * failed (the failure is recorded; uniform across the block). Called by
+ * every thread of the block.
+ *
+ * Thread i < nflags polls flag i (peer me+1+i/2, lane i%2), the last thread
+ * watches the clock, the abort word, the grid's status and ready_seq. One
+ * block per call polls the peers' flags (PCIe reads on a discrete GPU,
+ * which would compete with the payload reads if every block polled); the
+ * others watch ready_seq and the status in device memory. The poller is a
+ * running block, so waiting for it needs no other block to be scheduled;
+ * nor does waiting for `own_done`, advanced only by blocks that hold work
+ * of this launch (running blocks). */
+__device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_state_t *st, u64 seq,
+                           u64 flag, const u32 *own_done, u32 own_target, u32 *s_poll,
+                           u32 *s_status) {
+    const u32 tid = threadIdx.x;
+    const u32 bd = blockDim.x;
+    const unsigned char *region = (const unsigned char *)p.region;
+    const u32 world = p.layout.world;
+    const u32 me = p.layout.rank;
+    const u32 seq32 = (u32)seq;
+    const u32 par = (u32)(seq & 1);
+    const u32 nflags = (world - 1) * ARX_LANES;
+    const u64 t0 = globaltimer();
+    const u64 limit = st->timeout_ns;
+    u32 have = 0; /* bit k: this thread's k-th flag arrived */
+    u32 round = 0;
+    bool failed = false;
+    if (tid == 0) {
+        u32 old = ld_relaxed_gpu_u32(&st->poller);
+        *s_poll = (old != seq32 && atom_cas_acq_rel_gpu(&st->poller, old, seq32) == old);
+    }
+    __syncthreads();
+    const bool poller = *s_poll != 0;
+    for (;; round++) {
+        u32 ok = 1, bad = 0, stop = 0;
+        u32 k = 0;
+        if (!poller) ok = 0;
+        for (u32 i = tid; poller && i < nflags; i += bd, k++) {
+            if (k < 32 && (have >> k) & 1u) continue;
+            u32 q = (me + 1 + i / ARX_LANES) % world;
+            u32 lane = i % ARX_LANES;
+            const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
+                            ((u64)(par * world + q) * ARX_LANES + lane);
+            u64 f = ld_acquire_sys_u64(fp);
+            u32 fseq = (u32)(f >> ARX_FLAG_SEQ_SHIFT);
+            if (fseq == seq32) {
+                if (f != flag) {
+                    /* Same call, other count, dtype, op or pattern. */
+                    arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
+                    bad = 1;
+                } else if (k < 32) {
+                    have |= 1u << k;
+                }
+            } else if (fseq == seq32 + 2u) {
+                /* Two calls ahead: only a failed peer's poisoned flag
+                 * (for its failing call + 1) gets here, overwriting
+                 * its flag of this call; fail now, not at the
+                 * deadline (src/protocol.rs, `look`). */
+                arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
+                bad = 1;
+            } else {
+                ok = 0;
+            }
+        }
+        if (tid == bd - 1) {
+            /* Our own part must be out before any block writes the output
+             * (in place, the output is the input the staging reads).
+             * Blocks holding that work are running, so this wait needs no
+             * other block scheduled. */
+            if (ld_acquire_gpu_u32(own_done) < own_target) ok = 0;
+            if (ld_acquire_gpu_u32(&st->ready_seq) == seq32) {
+                stop = 1; /* another block saw it all complete */
+                *s_status = 0;
+            } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
+                stop = 1;
+                *s_status = ld_relaxed_gpu_u32(&st->status);
+            } else if (poller && (round & 7) == 7 && ld_relaxed_sys_u32(&ctrl->abort) != 0) {
+                /* (a PCIe round trip on discrete GPUs: not every round) */
+                stop = 1;
+                *s_status = ARX_STATUS_ABORTED;
+            } else if (globaltimer() - t0 > limit) {
+                stop = 1;
+                *s_status = ARX_STATUS_TIMEOUT;
+            }
+        }
+        /* Uniform decisions: every thread leaves in the same round. */
+        int any_bad = __syncthreads_or((int)bad);
+        int all = __syncthreads_and((int)ok);
+        int any_stop = __syncthreads_or((int)stop);
+        if (any_bad) {
+            failed = true;
+            break;
+        }
+        if (all) {
+            /* ld.acquire.sys by the pollers, then the barrier:
+             * everything the peers wrote before their flags is
+             * visible to the whole block. */
+            if (tid == 0) st_release_gpu_u32(&st->ready_seq, seq32);
+            break;
+        }
+        if (any_stop) {
+            u32 why = *s_status;
+            if (why == ARX_STATUS_TIMEOUT || why == ARX_STATUS_ABORTED) {
+                /* Name a missing peer and lane: the first thread to
+                 * record wins; the rest are no-ops. */
+                u32 kk = 0;
+                for (u32 i = tid; i < nflags; i += bd, kk++) {
+                    if (kk < 32 && (have >> kk) & 1u) continue;
+                    u32 q = (me + 1 + i / ARX_LANES) % world;
+                    u32 lane = i % ARX_LANES;
+                    const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
+                                    ((u64)(par * world + q) * ARX_LANES + lane);
+                    u64 f = ld_acquire_sys_u64(fp);
+                    if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) != seq32) {
+                        arx_fail(ctrl, st, why, q, lane, seq, f);
+                        break;
+                    }
+                }
+                __syncthreads();
+                /* No flag missing: our own part did not get out. */
+                if (tid == 0) arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, 0);
+            }
+            if (why != 0) failed = true;
+            break;
+        }
+    }
+    /* `failed` and the exit reason are uniform across the block. */
+    return failed;
+}
+
+/* Reduces n elements (at most one 16-byte vector's worth) in rank order,
+ * the one rule of every algorithm: rank r's operand of element j is own[j]
+ * for this rank, else element j at byte `off` of recv slot r (`recv`: the
+ * slots of the call's parity), read with ld.global.cv; fp32 accumulator,
+ * one rounding; the result goes to out[j] and, if out2 is not null, to
+ * out2[j]. `vec`: n is a whole vector and own, out, out2 and `off` are
+ * 16-byte aligned. */
+template <class T>
+__device__ __forceinline__ void reduce_span(u32 op, u32 world, u32 me, const typename T::S *own,
+                                            const unsigned char *recv, u64 slot, u64 off,
+                                            typename T::S *out, typename T::S *out2, u32 n,
+                                            bool vec) {
+    typedef typename T::S S;
+    if (vec) {
+        float acc[8];
+        /* -0.0 is the identity of IEEE addition (-0 + x == x for
+         * every x, -0 + -0 == -0), so the sum is exactly
+         * ((p0 + p1) + p2) + ... including the sign of zero; a +0.0
+         * start would turn all-(-0.0) inputs into +0.0. */
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[k] = op_identity(op);
+        /* Loads for up to 8 ranks in flight, then added in rank order. */
+        for (u32 r0 = 0; r0 < world; r0 += 8) {
+            vec4 v[8];
+            u32 nr = world - r0 < 8 ? world - r0 : 8;
+#pragma unroll
+            for (u32 j = 0; j < 8; j++) {
+                if (j < nr) {
+                    u32 r = r0 + j;
+                    if (r == me) {
+                        v[j] = *(const vec4 *)own;
+                    } else {
+                        v[j] = ld_cv_v4(recv + (u64)r * slot + off);
+                    }
+                }
+            }
+#pragma unroll
+            for (u32 j = 0; j < 8; j++)
+                if (j < nr) acc_op<T>(op, acc, v[j]);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[k] = op_finish(op, acc[k], world);
+        vec4 res = acc_pack<T>(acc);
+        *(vec4 *)out = res;
+        if (out2) *(vec4 *)out2 = res;
+    } else {
+        for (u32 e = 0; e < n; e++) {
+            float a = op_identity(op); /* see the vector path */
+            for (u32 r = 0; r < world; r++) {
+                S s;
+                if (r == me) {
+                    s = own[e];
+                } else {
+                    s = ld_cv_elem((const S *)(recv + (u64)r * slot + off) + e);
+                }
+                a = op_combine(op, a, T::load(s));
+            }
+            S res = T::store(op_finish(op, a, world));
+            out[e] = res;
+            if (out2) out2[e] = res;
+        }
+    }
+}
+
 template <class T>
 __device__ void oneshot_run(const arx_params_t &p) {
     typedef typename T::S S;
@@ -101,7 +299,6 @@ __device__ void oneshot_run(const arx_params_t &p) {
     /* Every block reads seq before it can depart; the last block to depart
      * advances it, so every block of this launch sees the same value. */
     const u64 seq = st->seq + 1;
-    const u32 seq32 = (u32)seq;
     const u32 par = (u32)(seq & 1);
     const u32 op = p.op & ARX_FLAG_OP_MASK;
     const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
@@ -167,186 +364,25 @@ __device__ void oneshot_run(const arx_params_t &p) {
     }
 
     /* ---- wait for every peer, then sum ---- */
-    const u32 nflags = (world - 1) * ARX_LANES;
+    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot;
     bool ready = false;
     while (!failed) {
         u32 c = block_ticket(&st->sum_next, &s_ticket);
         if (c >= nsum) break;
         if (!ready) {
-            /* Bounded wait. Thread i < nflags polls flag i (peer me+1+i/2,
-             * lane i%2), the last thread watches the clock, the abort word,
-             * the grid's status and ready_seq. */
-            const u64 t0 = globaltimer();
-            const u64 limit = st->timeout_ns;
-            u32 have = 0; /* bit k: this thread's k-th flag arrived */
-            u32 round = 0;
-            /* One block per call polls the peers' flags (PCIe reads on a
-             * discrete GPU, which would compete with the payload reads if
-             * every block polled); the others watch ready_seq and the status
-             * in device memory. The poller is a running block, so waiting
-             * for it needs no other block to be scheduled. */
-            if (tid == 0) {
-                u32 old = ld_relaxed_gpu_u32(&st->poller);
-                s_poll = (old != seq32 && atom_cas_acq_rel_gpu(&st->poller, old, seq32) == old);
-            }
-            __syncthreads();
-            const bool poller = s_poll != 0;
-            for (;; round++) {
-                u32 ok = 1, bad = 0, stop = 0;
-                u32 k = 0;
-                if (!poller) ok = 0;
-                for (u32 i = tid; poller && i < nflags; i += bd, k++) {
-                    if (k < 32 && (have >> k) & 1u) continue;
-                    u32 q = (me + 1 + i / ARX_LANES) % world;
-                    u32 lane = i % ARX_LANES;
-                    const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
-                                    ((u64)(par * world + q) * ARX_LANES + lane);
-                    u64 f = ld_acquire_sys_u64(fp);
-                    u32 fseq = (u32)(f >> ARX_FLAG_SEQ_SHIFT);
-                    if (fseq == seq32) {
-                        if (f != flag) {
-                            /* Same call, other count or dtype. */
-                            arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
-                            bad = 1;
-                        } else if (k < 32) {
-                            have |= 1u << k;
-                        }
-                    } else if (fseq == seq32 + 2u) {
-                        /* Two calls ahead: only a failed peer's poisoned flag
-                         * (for its failing call + 1) gets here, overwriting
-                         * its flag of this call; fail now, not at the
-                         * deadline (src/protocol.rs, `look`). */
-                        arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
-                        bad = 1;
-                    } else {
-                        ok = 0;
-                    }
-                }
-                if (tid == bd - 1) {
-                    /* Our own partial must be fully staged before any block
-                     * writes the output (in place, the output is the input
-                     * the staging reads). Blocks holding staging chunks are
-                     * running, so this wait needs no other block scheduled. */
-                    if (ld_acquire_gpu_u32(&st->staged) < nstage) ok = 0;
-                    if (ld_acquire_gpu_u32(&st->ready_seq) == seq32) {
-                        stop = 1; /* another block saw it all complete */
-                        s_status = 0;
-                    } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
-                        stop = 1;
-                        s_status = ld_relaxed_gpu_u32(&st->status);
-                    } else if (poller && (round & 7) == 7 &&
-                               ld_relaxed_sys_u32(&ctrl->abort) != 0) {
-                        /* (a PCIe round trip on discrete GPUs: not every round) */
-                        stop = 1;
-                        s_status = ARX_STATUS_ABORTED;
-                    } else if (globaltimer() - t0 > limit) {
-                        stop = 1;
-                        s_status = ARX_STATUS_TIMEOUT;
-                    }
-                }
-                /* Uniform decisions: every thread leaves in the same round. */
-                int any_bad = __syncthreads_or((int)bad);
-                int all = __syncthreads_and((int)ok);
-                int any_stop = __syncthreads_or((int)stop);
-                if (any_bad) {
-                    failed = true;
-                    break;
-                }
-                if (all) {
-                    /* ld.acquire.sys by the pollers, then the barrier:
-                     * everything the peers wrote before their flags is
-                     * visible to the whole block. */
-                    if (tid == 0) st_release_gpu_u32(&st->ready_seq, seq32);
-                    break;
-                }
-                if (any_stop) {
-                    u32 why = s_status;
-                    if (why == ARX_STATUS_TIMEOUT || why == ARX_STATUS_ABORTED) {
-                        /* Name a missing peer and lane: the first thread to
-                         * record wins; the rest are no-ops. */
-                        u32 kk = 0;
-                        for (u32 i = tid; i < nflags; i += bd, kk++) {
-                            if (kk < 32 && (have >> kk) & 1u) continue;
-                            u32 q = (me + 1 + i / ARX_LANES) % world;
-                            u32 lane = i % ARX_LANES;
-                            const u64 *fp = (const u64 *)(region + p.layout.flags_off) +
-                                            ((u64)(par * world + q) * ARX_LANES + lane);
-                            u64 f = ld_acquire_sys_u64(fp);
-                            if ((u32)(f >> ARX_FLAG_SEQ_SHIFT) != seq32) {
-                                arx_fail(ctrl, st, why, q, lane, seq, f);
-                                break;
-                            }
-                        }
-                        __syncthreads();
-                        /* No flag missing: our own staging did not finish. */
-                        if (tid == 0) arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, 0);
-                    }
-                    if (why != 0) failed = true;
-                    break;
-                }
-            }
-            /* `failed` and the exit reason are uniform across the block. */
+            failed = wait_peers(p, ctrl, st, seq, flag, &st->staged, nstage, &s_poll, &s_status);
             if (failed) break;
             ready = true;
         }
 
         /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
         for (u32 k = 0; k < unroll; k++) {
-        u32 u = c * per_chunk + k * bd + tid;
-        if (u >= nunits) break;
-        {
+            u32 u = c * per_chunk + k * bd + tid;
+            if (u >= nunits) break;
             u32 e0 = u * unit;
-            if (vec && e0 + VE <= count) {
-                float acc[8];
-#pragma unroll
-                /* -0.0 is the identity of IEEE addition (-0 + x == x for
-                 * every x, -0 + -0 == -0), so the sum is exactly
-                 * ((p0 + p1) + p2) + ... including the sign of zero; a +0.0
-                 * start would turn all-(-0.0) inputs into +0.0. */
-                for (int k = 0; k < 8; k++) acc[k] = op_identity(op);
-                /* Loads for up to 8 ranks in flight, then added in rank order. */
-                for (u32 r0 = 0; r0 < world; r0 += 8) {
-                    vec4 v[8];
-                    u32 nr = world - r0 < 8 ? world - r0 : 8;
-#pragma unroll
-                    for (u32 j = 0; j < 8; j++) {
-                        if (j < nr) {
-                            u32 r = r0 + j;
-                            if (r == me) {
-                                v[j] = *(const vec4 *)(in + e0);
-                            } else {
-                                const unsigned char *src =
-                                    region + p.layout.recv_off + ((u64)par * world + r) * slot;
-                                v[j] = ld_cv_v4(src + (u64)e0 * sizeof(S));
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (u32 j = 0; j < 8; j++)
-                        if (j < nr) acc_op<T>(op, acc, v[j]);
-                }
-#pragma unroll
-                for (int k = 0; k < 8; k++) acc[k] = op_finish(op, acc[k], world);
-                *(vec4 *)(out + e0) = acc_pack<T>(acc);
-            } else {
-                u32 e1 = e0 + unit < count ? e0 + unit : count;
-                for (u32 e = e0; e < e1; e++) {
-                    float a = op_identity(op); /* see the vector path */
-                    for (u32 r = 0; r < world; r++) {
-                        S s;
-                        if (r == me) {
-                            s = in[e];
-                        } else {
-                            const S *src = (const S *)(region + p.layout.recv_off +
-                                                       ((u64)par * world + r) * slot);
-                            s = ld_cv_elem(src + e);
-                        }
-                        a = op_combine(op, a, T::load(s));
-                    }
-                    out[e] = T::store(op_finish(op, a, world));
-                }
-            }
-        }
+            u32 n = e0 + unit < count ? unit : count - e0;
+            reduce_span<T>(op, world, me, in + e0, recv, slot, (u64)e0 * sizeof(S), out + e0,
+                           (S *)0, n, vec && n == VE);
         }
     }
 

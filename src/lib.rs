@@ -261,6 +261,7 @@ mod dtype;
 mod error;
 mod establish;
 mod fabric;
+mod gpu_collectives;
 mod layout;
 mod op;
 pub mod probe;

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext};
 
 use crate::abi;
-use crate::algo::chunked;
+use crate::algo::{chunked, collective};
 use crate::config::Staging;
 use crate::device::nvrtc;
 use crate::device::order::Order;
@@ -91,11 +91,12 @@ pub(crate) fn device_count() -> Result<usize> {
     Ok(n as usize)
 }
 
-/// A loaded module and its kernels (bf16, f16, f32, conversion check).
+/// A loaded module and its kernels (one-shot bf16, f16, f32, conversion
+/// check, collective bf16, f16, f32).
 struct Module {
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
-    funcs: [sys::CUfunction; 4],
+    funcs: [sys::CUfunction; 7],
 }
 
 // SAFETY: module and function handles are plain driver handles, usable from
@@ -111,12 +112,15 @@ impl Module {
         // device's architecture; the driver copies it.
         let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
             .map_err(cuda_err("cuModuleLoadData"))?;
-        let mut funcs = [std::ptr::null_mut(); 4];
+        let mut funcs = [std::ptr::null_mut(); 7];
         for (f, name) in funcs.iter_mut().zip([
             "arx_allreduce_bf16",
             "arx_allreduce_f16",
             "arx_allreduce_f32",
             "arx_convert_check",
+            "arx_collective_bf16",
+            "arx_collective_f16",
+            "arx_collective_f32",
         ]) {
             let c = CString::new(name).unwrap_or_default();
             // SAFETY: `module` was loaded above and stays loaded while
@@ -144,6 +148,37 @@ impl Module {
             abi::ARX_DTYPE_BF16 => self.funcs[0],
             abi::ARX_DTYPE_F16 => self.funcs[1],
             _ => self.funcs[2],
+        }
+    }
+
+    /// The collective kernel (`kernels/twoshot.cuh`) of `dtype`.
+    fn collective(&self, dtype: Dtype) -> sys::CUfunction {
+        match dtype {
+            Dtype::Bf16 => self.funcs[4],
+            Dtype::F16 => self.funcs[5],
+            Dtype::F32 => self.funcs[6],
+        }
+    }
+}
+
+/// What a launch of the collective kernel runs (its `kind` argument,
+/// `ARX_COLL_*` in kernels/twoshot.cuh).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Coll {
+    /// The two-shot all-reduce: two calls per chunk.
+    TwoShot,
+    /// `reduce_scatter` (one call per chunk, pattern SCATTER).
+    ReduceScatter,
+    /// `all_gather` (one call per chunk, pattern GATHER).
+    AllGather,
+}
+
+impl Coll {
+    fn kind(self) -> u32 {
+        match self {
+            Coll::TwoShot => 1,
+            Coll::ReduceScatter => 2,
+            Coll::AllGather => 3,
         }
     }
 }
@@ -544,6 +579,200 @@ impl GpuSide {
         unsafe {
             result::launch_kernel(
                 self.module.kernel(code),
+                (blocks, 1, 1),
+                (THREADS, 1, 1),
+                0,
+                stream,
+                &mut args,
+            )
+        }
+        .map_err(cuda_err("cuLaunchKernel"))
+    }
+
+    /// Enqueues a two-shot all-reduce, a reduce-scatter or an all-gather
+    /// on `stream` (`kernels/twoshot.cuh`), chunked as the host side
+    /// chunks it: a two-shot of `n` elements in chunks of at most `per`
+    /// (each chunk two calls, `algo::chunked`); a reduce-scatter or
+    /// all-gather of `n` elements per rank in chunks covering the same `c`
+    /// elements of every rank's block (`algo::collective::block_chunks`,
+    /// each chunk one call of `N·c` elements). One kernel launch per chunk,
+    /// after the copy-engine staging if chosen; ordered with the
+    /// instance's other launches as [`GpuSide::launch`] orders them.
+    ///
+    /// # Safety
+    /// As [`GpuSide::launch`], for the buffers of the collective: a
+    /// two-shot's `input` and `output` hold `n` elements (they may be the
+    /// same); a reduce-scatter's `input` `N·n` and its `output` `n` (which
+    /// may be this rank's block of the input); an all-gather's `input` `n`
+    /// (which may be this rank's block of the output) and its `output`
+    /// `N·n`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch_collective(
+        &mut self,
+        coll: Coll,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        per: usize,
+        op: crate::Op,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let cap = self.order.before(stream)?;
+        let esize = dtype.size();
+        let world = self.layout.world();
+        let r = match coll {
+            Coll::TwoShot => chunked::chunks(n, per).try_for_each(|c| {
+                let at = (c.range.start * esize) as u64;
+                let len = c.range.len();
+                // SAFETY: the chunk lies within the caller's `n` elements
+                // and holds at most one slot's worth.
+                unsafe {
+                    self.launch_coll_one(
+                        coll,
+                        [input + at, output + at],
+                        len,
+                        [0, 0],
+                        (dtype, op),
+                        c.more,
+                        stream,
+                    )
+                }
+            }),
+            Coll::ReduceScatter | Coll::AllGather => {
+                collective::block_chunks(n, world, per).try_for_each(|c| {
+                    let at = (c.range.start * esize) as u64;
+                    let strides = if coll == Coll::ReduceScatter {
+                        [n as u64, 0]
+                    } else {
+                        [0, n as u64]
+                    };
+                    // SAFETY: the chunk's elements of every block lie
+                    // within the caller's buffers; N of them fit one slot
+                    // (`block_chunks`).
+                    unsafe {
+                        self.launch_coll_one(
+                            coll,
+                            [input + at, output + at],
+                            world * c.range.len(),
+                            strides,
+                            (dtype, op),
+                            c.more,
+                            stream,
+                        )
+                    }
+                })
+            }
+        };
+        // As in `launch`: recorded also after a failed enqueue.
+        let after = self.order.after(stream, cap);
+        r.and(after)
+    }
+
+    /// Enqueues one chunk of a collective: `count` elements in the call
+    /// (`N·c` for a reduce-scatter or all-gather), block `q` of the
+    /// caller's buffers at `io[0] + q·strides[0]` and `io[1] +
+    /// q·strides[1]` elements (a two-shot's are contiguous).
+    ///
+    /// # Safety
+    /// As [`GpuSide::launch_collective`], for one chunk.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_coll_one(
+        &mut self,
+        coll: Coll,
+        io: [u64; 2],
+        count: usize,
+        strides: [u64; 2],
+        (dtype, op): (Dtype, crate::Op),
+        more: bool,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let [input, output] = io;
+        let esize = dtype.size();
+        let world = self.layout.world();
+        let ce = self.staging == Staging::CopyEngine;
+        if ce && count > 0 {
+            // Both slots (the parity lives in device memory), as in
+            // `launch_one`; what the call's first step stages.
+            for parity in 0..2 {
+                let slot = self.region_dev + self.layout.send_offset(parity) as u64;
+                let r = match coll {
+                    Coll::TwoShot => {
+                        // SAFETY: the destination lies in a send slot of
+                        // the mapped region (the chunking bounds the call
+                        // by the slot), the source within the caller's
+                        // buffer, on the caller's stream.
+                        unsafe { result::memcpy_dtod_async(slot, input, count * esize, stream) }
+                    }
+                    Coll::AllGather => {
+                        let c = count / world;
+                        let at = (self.layout.rank() * c * esize) as u64;
+                        // SAFETY: as above (this rank's block of the slot).
+                        unsafe { result::memcpy_dtod_async(slot + at, input, c * esize, stream) }
+                    }
+                    Coll::ReduceScatter => {
+                        // Block q of the input (pitch n) to shard q of the
+                        // slot (pitch c): one 2-D copy.
+                        let c = count / world;
+                        let copy = sys::CUDA_MEMCPY2D {
+                            srcXInBytes: 0,
+                            srcY: 0,
+                            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                            srcHost: std::ptr::null(),
+                            srcDevice: input,
+                            srcArray: std::ptr::null_mut(),
+                            srcPitch: strides[0] as usize * esize,
+                            dstXInBytes: 0,
+                            dstY: 0,
+                            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                            dstHost: std::ptr::null_mut(),
+                            dstDevice: slot,
+                            dstArray: std::ptr::null_mut(),
+                            dstPitch: c * esize,
+                            WidthInBytes: c * esize,
+                            Height: world,
+                        };
+                        // SAFETY: as above: `world` rows of `c` elements,
+                        // within the N·n input and within the slot.
+                        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }.result()
+                    }
+                };
+                r.map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+            }
+        }
+        let mut params = abi::arx_params_t {
+            region: self.region_dev,
+            state: self.state,
+            input,
+            output,
+            layout: self.layout.raw(),
+            count: count as u32,
+            dtype: dtype.code(),
+            sm_staging: u32::from(!ce),
+            unroll: 1,
+            more: if more { abi::ARX_FLAG_MORE } else { 0 },
+            op: op.code(),
+        };
+        let aligned = (input | output) & 15 == 0;
+        let (blocks, unroll) = self.shape(count, dtype, aligned);
+        params.unroll = unroll;
+        let mut kind = coll.kind();
+        let [mut in_stride, mut out_stride] = strides;
+        let mut args = [
+            (&mut params as *mut abi::arx_params_t).cast::<c_void>(),
+            (&mut kind as *mut u32).cast(),
+            (&mut in_stride as *mut u64).cast(),
+            (&mut out_stride as *mut u64).cast(),
+        ];
+        // SAFETY: the kernel takes (arx_params_t, u32, u64, u64) by value
+        // (kernels/arx.cu, arx_collective_*); addresses valid as in
+        // `launch_one`.
+        unsafe {
+            result::launch_kernel(
+                self.module.collective(dtype),
                 (blocks, 1, 1),
                 (THREADS, 1, 1),
                 0,

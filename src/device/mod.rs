@@ -8,8 +8,9 @@
 //! * `Host`: the calling thread runs the algorithm on host slices
 //!   (`algo::chunked::host`, one `algo::oneshot::host` per chunk) — the
 //!   embedded default, and how CI exercises the proxy and fabrics;
-//! * `Gpu`: the arx CUDA kernel ([`gpu`], one launch per chunk; the
-//!   algorithm is `kernels/oneshot.cuh`).
+//! * `Gpu`: the arx CUDA kernels ([`gpu`], one launch per chunk;
+//!   `kernels/oneshot.cuh`, and `kernels/twoshot.cuh` for the two-shot
+//!   all-reduce, reduce_scatter and all_gather).
 //!
 //! The proxy is reached only through its [`Link`] (post inline, health).
 
@@ -309,13 +310,67 @@ impl Device {
     ) -> Result<()> {
         self.ready()?;
         let per = self.max_count(dtype);
+        // The algorithm the host side chooses for the same call, so that
+        // ranks mixing GPU and host calls agree.
+        let algo = self.algo(count.saturating_mul(dtype.size()));
         let Side::Gpu(g) = &mut self.side else {
             return Err(Error::InvalidArgument(
                 "this instance runs the host device side: use allreduce_host".into(),
             ));
         };
+        let r = if algo == crate::Algo::TwoShot {
+            // SAFETY: the caller's contract (addresses, stream) is passed on.
+            unsafe {
+                g.launch_collective(
+                    gpu::Coll::TwoShot,
+                    input,
+                    output,
+                    count,
+                    dtype,
+                    per,
+                    op,
+                    stream,
+                )
+            }
+        } else {
+            // SAFETY: as above.
+            unsafe { g.launch(input, output, count, Some((dtype, per, op)), stream) }
+        };
+        r.map_err(|e| self.fail(e))
+    }
+
+    /// One GPU reduce-scatter (`gather` false) or all-gather (`gather`
+    /// true) of `n` elements per rank, enqueued on `stream` (one launch per
+    /// chunk, see [`gpu::GpuSide::launch_collective`]).
+    ///
+    /// # Safety
+    /// As [`crate::Arx::reduce_scatter_raw`] / [`crate::Arx::all_gather_raw`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gpu_collective(
+        &mut self,
+        gather: bool,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        op: crate::Op,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ready()?;
+        let per = self.max_count(dtype);
+        let Side::Gpu(g) = &mut self.side else {
+            return Err(Error::InvalidArgument(
+                "this instance runs the host device side: use reduce_scatter_host / all_gather_host".into(),
+            ));
+        };
+        let (coll, op) = if gather {
+            // The op travels as sum: an all-gather reduces nothing.
+            (gpu::Coll::AllGather, crate::Op::Sum)
+        } else {
+            (gpu::Coll::ReduceScatter, op)
+        };
         // SAFETY: the caller's contract (addresses, stream) is passed on.
-        let r = unsafe { g.launch(input, output, count, Some((dtype, per, op)), stream) };
+        let r = unsafe { g.launch_collective(coll, input, output, n, dtype, per, op, stream) };
         r.map_err(|e| self.fail(e))
     }
 

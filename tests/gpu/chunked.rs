@@ -4,27 +4,6 @@
 
 use super::*;
 
-/// The slot of these cases (16 KiB: 4096 f32 per chunk), so that a few
-/// thousand elements make several chunks.
-const SMALL_SLOT: usize = 16 << 10;
-
-fn build_small(ctx: &Ctx, st: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
-    let arx = Arx::builder()
-        .device(DeviceKind::Gpu)
-        .staging(st)
-        .timeout(timeout)
-        .slot_bytes(SMALL_SLOT)
-        .build(ctx.world)
-        .map_err(e("Arx::new"))?;
-    let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
-    // As in `build`: only arx orders its calls here.
-    // SAFETY: no cudarc slice is shared between streams without the test
-    // synchronizing first.
-    unsafe { cuda.disable_event_tracking() };
-    let s = cuda.new_stream().map_err(e("new_stream"))?;
-    Ok((arx, s))
-}
-
 /// Lengths around the chunk `m`: 1, m−1, m, m+1, 2m+3, ~3.5m.
 fn chunk_lengths(m: usize) -> [usize; 6] {
     [1, m - 1, m, m + 1, 2 * m + 3, 3 * m + m / 2 + 1]

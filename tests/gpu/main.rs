@@ -51,6 +51,17 @@
 //! call) and replayed with new input; ranks passing different ops (every
 //! rank fails with `CallMismatch` naming both ops at once).
 //!
+//! Two-shot, reduce_scatter and all_gather (`collectives.rs`): the one-shot
+//! cases above (lengths, graphs, edges, two streams, chunked, ops) rerun
+//! with every instance forced to two-shot; two-shot against one-shot and
+//! the reference bit for bit (every op and dtype at 1, 77, 24·N and a
+//! chunked length); reduce_scatter (every op) and all_gather on every
+//! dtype at 1 to 2c+3 elements per rank, out of place and in place, eager
+//! and captured into a graph; GPU and host calls of reduce_scatter,
+//! all_gather and all-reduces (one-shot and two-shot under `auto`)
+//! alternating across ranks; ranks on different algorithms failing with
+//! `CallMismatch` at once.
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
@@ -75,11 +86,13 @@ use rand::{Rng, SeedableRng};
 
 mod checks;
 mod chunked;
+mod collectives;
 mod ops;
 mod wrong_sum;
 
 use checks::*;
 use chunked::*;
+use collectives::*;
 use ops::*;
 use wrong_sum::*;
 
@@ -293,6 +306,30 @@ fn child() -> ExitCode {
         ),
         ("max, min, avg captured into graphs and replayed", ops_graph),
         ("ranks that pass different ops fail at once", ops_mismatch),
+        (
+            "two-shot: the one-shot cases rerun with ARX_ALGO=twoshot",
+            twoshot_reruns,
+        ),
+        (
+            "two-shot, one-shot and the reference agree bit for bit",
+            twoshot_vs_oneshot,
+        ),
+        (
+            "reduce_scatter and all_gather: every dtype, length, placement",
+            collectives_eager,
+        ),
+        (
+            "reduce_scatter and all_gather captured into a graph",
+            collectives_graph,
+        ),
+        (
+            "GPU and host calls of one collective interleaved across ranks",
+            gpu_and_host_mixed,
+        ),
+        (
+            "ranks on different all-reduce algorithms fail at once",
+            algo_mismatch,
+        ),
     ];
     // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain
     // one of the words; ARX_GPU_TEST_STAGING=sm|copy only one staging.
@@ -379,13 +416,54 @@ fn child() -> ExitCode {
     }
 }
 
+/// The slot of the chunked cases (16 KiB: 4096 f32 per chunk), so that a
+/// few thousand elements make several chunks.
+const SMALL_SLOT: usize = 16 << 10;
+
+thread_local! {
+    /// The all-reduce algorithm every instance the cases build runs
+    /// (None: `ARX_ALGO` or its default); see [`with_algo`].
+    static ALGO: Cell<Option<arx::Algo>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with every instance it builds forced to `algo` (how the
+/// two-shot cases rerun the one-shot cases).
+fn with_algo<T>(algo: arx::Algo, f: impl FnOnce() -> T) -> T {
+    let before = ALGO.with(|a| a.replace(Some(algo)));
+    let r = f();
+    ALGO.with(|a| a.set(before));
+    r
+}
+
 fn build(ctx: &Ctx, staging: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
-    let arx = Arx::builder()
+    build_opts(ctx, staging, timeout, None, None)
+}
+
+/// [`build`] with the small slot of the chunked cases.
+fn build_small(ctx: &Ctx, st: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
+    build_opts(ctx, st, timeout, Some(SMALL_SLOT), None)
+}
+
+/// [`build`] with a slot size and an algorithm (None: the defaults, or
+/// the algorithm of [`with_algo`]).
+fn build_opts(
+    ctx: &Ctx,
+    staging: Staging,
+    timeout: Duration,
+    slot: Option<usize>,
+    algo: Option<arx::Algo>,
+) -> R<(Arx, Arc<CudaStream>)> {
+    let mut b = Arx::builder()
         .device(DeviceKind::Gpu)
         .staging(staging)
-        .timeout(timeout)
-        .build(ctx.world)
-        .map_err(e("Arx::new"))?;
+        .timeout(timeout);
+    if let Some(s) = slot {
+        b = b.slot_bytes(s);
+    }
+    if let Some(a) = algo.or_else(|| ALGO.with(Cell::get)) {
+        b = b.algo(a);
+    }
+    let arx = b.build(ctx.world).map_err(e("Arx::new"))?;
     let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
     // Cudarc's own cross-stream tracking would add waits of its own: off,
     // so that only arx orders its calls here.

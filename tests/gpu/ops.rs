@@ -10,32 +10,14 @@ use arx::Op;
 
 use super::*;
 
-const SMALL_SLOT: usize = 16 << 10;
-
-fn build_small(ctx: &Ctx, st: Staging, timeout: Duration) -> R<(Arx, Arc<CudaStream>)> {
-    let arx = Arx::builder()
-        .device(DeviceKind::Gpu)
-        .staging(st)
-        .timeout(timeout)
-        .slot_bytes(SMALL_SLOT)
-        .build(ctx.world)
-        .map_err(e("Arx::new"))?;
-    let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
-    // SAFETY: no cudarc slice is shared between streams without the test
-    // synchronizing first (as `build`).
-    unsafe { cuda.disable_event_tracking() };
-    let s = cuda.new_stream().map_err(e("new_stream"))?;
-    Ok((arx, s))
-}
-
-fn op_data<T: Element>(ctx: &Ctx, op: Op, call: u64, n: usize) -> (Vec<T>, Vec<T>) {
+pub(super) fn op_data<T: Element>(ctx: &Ctx, op: Op, call: u64, n: usize) -> (Vec<T>, Vec<T>) {
     (
         verify::input_edges::<T>(SEED, call, ctx.rank, n),
         verify::expected_op::<T>(op, true, SEED, call, ctx.n, n),
     )
 }
 
-fn exact<T: Element>(what: &str, op: Op, got: &[T], want: &[T]) -> R {
+pub(super) fn exact<T: Element>(what: &str, op: Op, got: &[T], want: &[T]) -> R {
     let wrong = verify::count_wrong_op(op, got, want);
     if wrong == 0 {
         return Ok(());
@@ -106,7 +88,7 @@ fn op_call<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     )
 }
 
-fn ops_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+pub(super) fn ops_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     ctx: &Ctx,
     arx: &mut Arx,
     s: &Arc<CudaStream>,

@@ -1,0 +1,202 @@
+//! `reduce_scatter` and `all_gather` on GPU memory (NCCL's definitions, see
+//! `algo::collective`; the kernel is `kernels/twoshot.cuh`). Each rank's
+//! calls are enqueued on its stream like [`Arx::allreduce`]'s: capturable
+//! into a CUDA graph, ordered with the instance's other calls whatever
+//! stream they use, errors returned by the next call or [`Arx::check`].
+//! Bit for bit what the host versions ([`Arx::reduce_scatter_host`],
+//! [`Arx::all_gather_host`]) give, and the same calls of the protocol: a
+//! rank may make a host call where another makes a GPU call.
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+
+use crate::dtype::{Dtype, Element};
+use crate::error::{Error, Result};
+use crate::{Arx, Op};
+
+impl Arx {
+    /// Reduce-scatter on the GPU: `input` holds `N·n` elements (N ranks);
+    /// the sum of every rank's `input` is computed and block `r` of it
+    /// (elements `r·n..(r+1)·n`) lands in rank `r`'s `output` of `n`
+    /// elements. Bit for bit block `r` of [`Arx::allreduce`] of the same
+    /// inputs.
+    pub fn reduce_scatter<T: Element + DeviceRepr>(
+        &mut self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.reduce_scatter_op(input, output, Op::Sum, stream)
+    }
+
+    /// [`Arx::reduce_scatter`] with the reduction `op` (see
+    /// [`Arx::allreduce_op`]).
+    pub fn reduce_scatter_op<T: Element + DeviceRepr>(
+        &mut self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        op: Op,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let (world, n) = (self.world(), output.len());
+        if input.len() != world.saturating_mul(n) {
+            let e = Error::InvalidArgument(format!(
+                "reduce_scatter: input has {} elements, expected {world} ranks x {n} (the output's length)",
+                input.len()
+            ));
+            return self.device.refuse_gpu(n, e, stream.cu_stream());
+        }
+        let (i, _ri) = input.device_ptr(stream);
+        let (o, _ro) = output.device_ptr_mut(stream);
+        // SAFETY: live device allocations of N·n and n elements of T in
+        // this context (checked), borrowed until the launches are enqueued.
+        unsafe {
+            self.device
+                .gpu_collective(false, i, o, n, T::DTYPE, op, stream.cu_stream())
+        }
+    }
+
+    /// In-place [`Arx::reduce_scatter`]: `buf` holds `N·n` elements; this
+    /// rank's block (`rank·n..(rank+1)·n`) receives the result, the other
+    /// blocks are left as they were.
+    pub fn reduce_scatter_in_place<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.reduce_scatter_in_place_op(buf, Op::Sum, stream)
+    }
+
+    /// [`Arx::reduce_scatter_in_place`] with the reduction `op`.
+    pub fn reduce_scatter_in_place_op<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        op: Op,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let world = self.world();
+        if buf.len() % world != 0 {
+            let e = Error::InvalidArgument(format!(
+                "reduce_scatter in place: the buffer's {} elements are not a multiple of {world} ranks",
+                buf.len()
+            ));
+            return self
+                .device
+                .refuse_gpu(buf.len() / world, e, stream.cu_stream());
+        }
+        let n = buf.len() / world;
+        let own = (self.rank() * n * std::mem::size_of::<T>()) as u64;
+        let (p, _r) = buf.device_ptr_mut(stream);
+        // SAFETY: as in `reduce_scatter_op`; the output is this rank's
+        // block of the input (the kernel reduces it only once the whole
+        // input is staged).
+        unsafe {
+            self.device
+                .gpu_collective(false, p, p + own, n, T::DTYPE, op, stream.cu_stream())
+        }
+    }
+
+    /// All-gather on the GPU: every rank's `input` of `n` elements,
+    /// concatenated in rank order, lands in every rank's `output` of `N·n`
+    /// elements.
+    pub fn all_gather<T: Element + DeviceRepr>(
+        &mut self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let (world, n) = (self.world(), input.len());
+        if output.len() != world.saturating_mul(n) {
+            let e = Error::InvalidArgument(format!(
+                "all_gather: output has {} elements, expected {world} ranks x {n} (the input's length)",
+                output.len()
+            ));
+            return self.device.refuse_gpu(n, e, stream.cu_stream());
+        }
+        let (i, _ri) = input.device_ptr(stream);
+        let (o, _ro) = output.device_ptr_mut(stream);
+        // SAFETY: live device allocations of n and N·n elements of T in
+        // this context (checked), borrowed until the launches are enqueued.
+        unsafe {
+            self.device
+                .gpu_collective(true, i, o, n, T::DTYPE, Op::Sum, stream.cu_stream())
+        }
+    }
+
+    /// In-place [`Arx::all_gather`]: `buf` holds `N·n` elements, this
+    /// rank's block (`rank·n..(rank+1)·n`) is its input; every block is
+    /// filled.
+    pub fn all_gather_in_place<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let world = self.world();
+        if buf.len() % world != 0 {
+            let e = Error::InvalidArgument(format!(
+                "all_gather in place: the buffer's {} elements are not a multiple of {world} ranks",
+                buf.len()
+            ));
+            return self
+                .device
+                .refuse_gpu(buf.len() / world, e, stream.cu_stream());
+        }
+        let n = buf.len() / world;
+        let own = (self.rank() * n * std::mem::size_of::<T>()) as u64;
+        let (p, _r) = buf.device_ptr_mut(stream);
+        // SAFETY: as in `all_gather`; the input is this rank's block of the
+        // output (the kernel does not copy a block onto itself).
+        unsafe {
+            self.device
+                .gpu_collective(true, p + own, p, n, T::DTYPE, Op::Sum, stream.cu_stream())
+        }
+    }
+
+    /// [`Arx::reduce_scatter_op`] on raw device addresses: `input` holds
+    /// `N·n` elements of `dtype`, `output` `n`. In place as NCCL defines
+    /// it: `output` may be `input + rank·n` elements (this rank's block).
+    ///
+    /// # Safety
+    /// As [`Arx::allreduce_raw`], for those lengths; `output` must not
+    /// overlap `input` other than as this rank's block.
+    pub unsafe fn reduce_scatter_raw(
+        &mut self,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        op: Op,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the same as `gpu_collective`'s.
+        unsafe {
+            self.device
+                .gpu_collective(false, input, output, n, dtype, op, stream)
+        }
+    }
+
+    /// [`Arx::all_gather`] on raw device addresses: `input` holds `n`
+    /// elements of `dtype`, `output` `N·n`. In place as NCCL defines it:
+    /// `input` may be `output + rank·n` elements (this rank's block).
+    ///
+    /// # Safety
+    /// As [`Arx::allreduce_raw`], for those lengths; `input` must not
+    /// overlap `output` other than as this rank's block.
+    pub unsafe fn all_gather_raw(
+        &mut self,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract is the same as `gpu_collective`'s.
+        unsafe {
+            self.device
+                .gpu_collective(true, input, output, n, dtype, Op::Sum, stream)
+        }
+    }
+}

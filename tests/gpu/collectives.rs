@@ -1,0 +1,425 @@
+//! The two-shot all-reduce, reduce_scatter and all_gather on the GPU side
+//! (`kernels/twoshot.cuh`): the one-shot cases rerun under two-shot;
+//! two-shot against one-shot and the reference bit for bit; reduce_scatter
+//! and all_gather against an independent reference (`arx::verify`), eager
+//! and under graph replay; GPU and host calls of one collective mixed
+//! across ranks and calls; ranks on different algorithms failing at once.
+
+use arx::{Algo, Op};
+
+use super::*;
+
+/// Reruns one-shot cases with every instance forced to two-shot: lengths
+/// 1 to the slot, out of place, in place, unaligned; graph replays; edge
+/// values; two streams; chunked calls eager, in graphs and on a second
+/// stream; every op eager and in graphs.
+pub(super) fn twoshot_reruns(ctx: &Ctx, st: Staging) -> R {
+    let cases: &[(&str, Case)] = &[
+        ("lengths", lengths),
+        ("graph_replays", graph_replays),
+        ("edges", edges),
+        ("two_streams", two_streams),
+        ("chunked_eager", chunked_eager),
+        ("chunked_graph", chunked_graph),
+        ("chunked_two_streams", chunked_two_streams),
+        ("ops_eager", ops_eager),
+        ("ops_graph", ops_graph),
+    ];
+    with_algo(Algo::TwoShot, || {
+        for (name, case) in cases {
+            case(ctx, st).map_err(|x| format!("{name} under two-shot: {x}"))?;
+        }
+        Ok(())
+    })
+}
+
+fn results_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    st: Staging,
+    algo: Algo,
+    calls: &[(Op, u64, usize)],
+) -> R<Vec<Vec<T>>> {
+    let (mut arx, s) = build_opts(
+        ctx,
+        st,
+        Duration::from_secs(20),
+        Some(SMALL_SLOT),
+        Some(algo),
+    )?;
+    let mut out = Vec::new();
+    for &(op, call, n) in calls {
+        let (mine, want) = op_data::<T>(ctx, op, call, n);
+        let din = up(&s, &mine)?;
+        let mut dout = poisoned::<T>(&s, n)?;
+        arx.allreduce_op(&din, &mut dout, op, &s)
+            .map_err(e("allreduce_op"))?;
+        arx.check().map_err(e("check"))?;
+        let got = down(&s, &dout)?;
+        ctx.fold(&got);
+        exact(
+            &format!(
+                "{} {op} call {call}: {n} x {}",
+                algo.name(),
+                T::DTYPE.name()
+            ),
+            op,
+            &got,
+            &want,
+        )?;
+        out.push(got);
+    }
+    Ok(out)
+}
+
+fn versus_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    st: Staging,
+) -> R<usize> {
+    // Lengths 1, odd, a multiple of the world (exact shards), chunked.
+    let m = SMALL_SLOT / std::mem::size_of::<T>();
+    let mut calls = Vec::new();
+    for (i, op) in Op::ALL.into_iter().enumerate() {
+        for (k, n) in [1, 77, 24 * ctx.n, 2 * m + 3].into_iter().enumerate() {
+            calls.push((op, 0x7500_0000 | (i as u64) << 8 | k as u64, n));
+        }
+    }
+    let two = results_of::<T>(ctx, st, Algo::TwoShot, &calls)?;
+    let one = results_of::<T>(ctx, st, Algo::OneShot, &calls)?;
+    for ((a, b), (op, call, n)) in two.iter().zip(&one).zip(&calls) {
+        if bytemuck::cast_slice::<T, u8>(a) != bytemuck::cast_slice::<T, u8>(b) {
+            return Err(format!(
+                "{op} call {call}: {n} x {}: two-shot and one-shot bits differ",
+                T::DTYPE.name()
+            ));
+        }
+    }
+    Ok(calls.len())
+}
+
+/// Every op and dtype at 1, 77, 24·N and 2m+3 elements: the two-shot
+/// result equals the one-shot result bit for bit, and both the reference.
+pub(super) fn twoshot_vs_oneshot(ctx: &Ctx, st: Staging) -> R {
+    let b = versus_of::<bf16>(ctx, st)?;
+    let h = versus_of::<f16>(ctx, st)?;
+    let f = versus_of::<f32>(ctx, st)?;
+    ctx.say(format!(
+        "bf16 {b}, f16 {h}, f32 {f} calls: two-shot == one-shot == reference"
+    ));
+    Ok(())
+}
+
+/// This rank's reduce_scatter input (`N·n` edge values) and its expected
+/// block.
+fn rs_data<T: Element>(ctx: &Ctx, op: Op, call: u64, n: usize) -> (Vec<T>, Vec<T>) {
+    let all = verify::expected_op::<T>(op, true, SEED, call, ctx.n, ctx.n * n);
+    (
+        verify::input_edges::<T>(SEED, call, ctx.rank, ctx.n * n),
+        all[ctx.rank * n..(ctx.rank + 1) * n].to_vec(),
+    )
+}
+
+/// This rank's all_gather input and every rank's, concatenated.
+fn ag_data<T: Element>(ctx: &Ctx, call: u64, n: usize) -> (Vec<T>, Vec<T>) {
+    let want: Vec<T> = (0..ctx.n)
+        .flat_map(|r| verify::input::<T>(SEED, call, r, n))
+        .collect();
+    (verify::input::<T>(SEED, call, ctx.rank, n), want)
+}
+
+/// One checked reduce_scatter (`in_place`: on the `N·n` buffer).
+fn rs_call<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    op: Op,
+    call: u64,
+    n: usize,
+    in_place: bool,
+) -> R {
+    let (mine, want) = rs_data::<T>(ctx, op, call, n);
+    let got = if in_place {
+        let mut buf = up(s, &mine)?;
+        arx.reduce_scatter_in_place_op(&mut buf, op, s)
+            .map_err(e("reduce_scatter_in_place_op"))?;
+        arx.check().map_err(e("check"))?;
+        let all = down(s, &buf)?;
+        // The other blocks are left as they were.
+        for q in (0..ctx.n).filter(|&q| q != ctx.rank) {
+            let r = q * n..(q + 1) * n;
+            if bytemuck::cast_slice::<T, u8>(&all[r.clone()])
+                != bytemuck::cast_slice::<T, u8>(&mine[r])
+            {
+                return Err(format!(
+                    "reduce_scatter in place call {call}: block {q} changed"
+                ));
+            }
+        }
+        all[ctx.rank * n..(ctx.rank + 1) * n].to_vec()
+    } else {
+        let din = up(s, &mine)?;
+        let mut dout = poisoned::<T>(s, n)?;
+        arx.reduce_scatter_op(&din, &mut dout, op, s)
+            .map_err(e("reduce_scatter_op"))?;
+        arx.check().map_err(e("check"))?;
+        down(s, &dout)?
+    };
+    ctx.fold(&got);
+    exact(
+        &format!(
+            "reduce_scatter {op} call {call}: {n} x {} per rank{}",
+            T::DTYPE.name(),
+            if in_place { " in place" } else { "" }
+        ),
+        op,
+        &got,
+        &want,
+    )
+}
+
+/// One checked all_gather (`in_place`: on the `N·n` buffer, the other
+/// blocks poisoned first).
+fn ag_call<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    call: u64,
+    n: usize,
+    in_place: bool,
+) -> R {
+    let (mine, want) = ag_data::<T>(ctx, call, n);
+    let got = if in_place {
+        let mut h = vec![T::zeroed(); ctx.n * n];
+        verify::poison(&mut h);
+        h[ctx.rank * n..(ctx.rank + 1) * n].copy_from_slice(&mine);
+        let mut buf = up(s, &h)?;
+        arx.all_gather_in_place(&mut buf, s)
+            .map_err(e("all_gather_in_place"))?;
+        arx.check().map_err(e("check"))?;
+        down(s, &buf)?
+    } else {
+        let din = up(s, &mine)?;
+        let mut dout = poisoned::<T>(s, ctx.n * n)?;
+        arx.all_gather(&din, &mut dout, s)
+            .map_err(e("all_gather"))?;
+        arx.check().map_err(e("check"))?;
+        down(s, &dout)?
+    };
+    ctx.fold(&got);
+    compare(
+        &format!(
+            "all_gather call {call}: {n} x {} per rank{}",
+            T::DTYPE.name(),
+            if in_place { " in place" } else { "" }
+        ),
+        &got,
+        &want,
+    )
+}
+
+fn collectives_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+) -> R<usize> {
+    // A chunk covers max_count / N elements of every block: 2c+3 makes 3.
+    let c = arx.max_count::<T>() / ctx.n;
+    let mut calls = 0;
+    for (k, n) in [1, 7, 77, 1000, 2 * c + 3].into_iter().enumerate() {
+        for in_place in [false, true] {
+            let base = 0x5C00_0000
+                | (T::DTYPE.code() as u64) << 16
+                | (k as u64) << 8
+                | u64::from(in_place) << 4;
+            for (i, op) in Op::ALL.into_iter().enumerate() {
+                rs_call::<T>(ctx, arx, s, op, base | i as u64, n, in_place)?;
+                calls += 1;
+            }
+            ag_call::<T>(ctx, arx, s, base | 0xF, n, in_place)?;
+            calls += 1;
+        }
+    }
+    Ok(calls)
+}
+
+/// reduce_scatter (every op) and all_gather on every dtype at 1, 7, 77,
+/// 1000 and 2c+3 elements per rank (c: a chunk's elements per block),
+/// out of place and in place; then an all-reduce on the same instance.
+pub(super) fn collectives_eager(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let b = collectives_of::<bf16>(ctx, &mut arx, &s)?;
+    let h = collectives_of::<f16>(ctx, &mut arx, &s)?;
+    let f = collectives_of::<f32>(ctx, &mut arx, &s)?;
+    checked_call::<f32>(ctx, &mut arx, &s, 0x5CF0_0000, 1001, Placement::InPlace)
+        .map_err(|x| format!("an all-reduce after the collectives: {x}"))?;
+    ctx.say(format!(
+        "bf16 {b}, f16 {h}, f32 {f} reduce_scatter/all_gather calls bit-exact"
+    ));
+    Ok(())
+}
+
+/// A chunked reduce_scatter and an all_gather captured into one graph and
+/// replayed with new input before each replay.
+pub(super) fn collectives_graph(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let replays = if ctx.quick { 5 } else { 30 };
+    let n1 = 2 * arx.max_count::<f32>() / ctx.n + 3;
+    let n2 = 501;
+    let mut in1 = poisoned::<f32>(&s, ctx.n * n1)?;
+    let mut out1 = poisoned::<f32>(&s, n1)?;
+    let mut in2 = poisoned::<bf16>(&s, n2)?;
+    let mut out2 = poisoned::<bf16>(&s, ctx.n * n2)?;
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = arx
+        .reduce_scatter(&in1, &mut out1, &s)
+        .and_then(|()| arx.all_gather(&in2, &mut out2, &s));
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(e("collectives under capture"))?;
+    let g = g.ok_or("empty graph")?;
+    for i in 0..replays as u64 {
+        let (x1, w1) = rs_data::<f32>(ctx, Op::Sum, 0x5D00_0000 + 2 * i, n1);
+        let (x2, w2) = ag_data::<bf16>(ctx, 0x5D00_0001 + 2 * i, n2);
+        s.memcpy_htod(&x1, &mut in1).map_err(e("htod"))?;
+        s.memcpy_htod(&x2, &mut in2).map_err(e("htod"))?;
+        poison_dev(&s, &mut out1)?;
+        poison_dev(&s, &mut out2)?;
+        g.launch().map_err(e("graph launch"))?;
+        let got1 = down(&s, &out1)?;
+        let got2 = down(&s, &out2)?;
+        arx.check().map_err(e("check"))?;
+        ctx.fold(&got1);
+        ctx.fold(&got2);
+        exact(
+            &format!("replay {i}: reduce_scatter {n1} x f32"),
+            Op::Sum,
+            &got1,
+            &w1,
+        )?;
+        compare(&format!("replay {i}: all_gather {n2} x bf16"), &got2, &w2)?;
+    }
+    rs_call::<f16>(ctx, &mut arx, &s, Op::Max, 0x5DF0_0000, 33, false)
+        .map_err(|x| format!("an eager call after the replays: {x}"))?;
+    ctx.say(format!(
+        "{replays} replays of a {}-chunk reduce_scatter and an all_gather; then an eager call",
+        n1.div_ceil(arx.max_count::<f32>() / ctx.n)
+    ));
+    Ok(())
+}
+
+/// Call k runs on the GPU on ranks r with r + k even, on the host on the
+/// others: reduce_scatter, all_gather and all-reduces of 1 KiB and 1 MiB
+/// (one-shot and, from 3 ranks, two-shot under ARX_ALGO=auto) must agree.
+pub(super) fn gpu_and_host_mixed(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build(ctx, st, Duration::from_secs(20))?;
+    let rounds = if ctx.quick { 4 } else { 12 };
+    for k in 0..rounds as u64 {
+        let gpu = (ctx.rank as u64 + k) % 2 == 0;
+        let call = 0x6A00_0000 + 8 * k;
+        let n = 300 + k as usize;
+        // reduce_scatter
+        let (x, want) = rs_data::<f32>(ctx, Op::Sum, call, n);
+        let got = if gpu {
+            let din = up(&s, &x)?;
+            let mut dout = poisoned::<f32>(&s, n)?;
+            arx.reduce_scatter(&din, &mut dout, &s)
+                .map_err(e("reduce_scatter"))?;
+            down(&s, &dout)?
+        } else {
+            let mut out = vec![0f32; n];
+            verify::poison(&mut out);
+            arx.reduce_scatter_host(&x, &mut out)
+                .map_err(e("reduce_scatter_host"))?;
+            out
+        };
+        arx.check().map_err(e("check"))?;
+        exact(
+            &format!("round {k} reduce_scatter (gpu {gpu})"),
+            Op::Sum,
+            &got,
+            &want,
+        )?;
+        // all_gather
+        let (x, want) = ag_data::<bf16>(ctx, call + 1, n);
+        let got = if gpu {
+            let din = up(&s, &x)?;
+            let mut dout = poisoned::<bf16>(&s, ctx.n * n)?;
+            arx.all_gather(&din, &mut dout, &s)
+                .map_err(e("all_gather"))?;
+            down(&s, &dout)?
+        } else {
+            let mut out = vec![bf16::ZERO; ctx.n * n];
+            verify::poison(&mut out);
+            arx.all_gather_host(&x, &mut out)
+                .map_err(e("all_gather_host"))?;
+            out
+        };
+        arx.check().map_err(e("check"))?;
+        compare(&format!("round {k} all_gather (gpu {gpu})"), &got, &want)?;
+        // all-reduces below and above the two-shot threshold
+        for (j, n) in [256usize, 256 << 10].into_iter().enumerate() {
+            let (x, want) = call_data::<f32>(ctx, call + 2 + j as u64, n);
+            let got = if gpu {
+                let din = up(&s, &x)?;
+                let mut dout = poisoned::<f32>(&s, n)?;
+                arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+                down(&s, &dout)?
+            } else {
+                let mut out = vec![0f32; n];
+                verify::poison(&mut out);
+                arx.allreduce_host(&x, &mut out)
+                    .map_err(e("allreduce_host"))?;
+                out
+            };
+            arx.check().map_err(e("check"))?;
+            ctx.fold(&got);
+            compare(
+                &format!("round {k} all-reduce of {n} x f32 (gpu {gpu})"),
+                &got,
+                &want,
+            )?;
+        }
+    }
+    ctx.say(format!(
+        "{rounds} rounds of reduce_scatter, all_gather and two all-reduces, GPU and host calls alternating across ranks"
+    ));
+    Ok(())
+}
+
+/// The last rank runs one-shot, the others two-shot: every rank fails the
+/// first all-reduce with `CallMismatch` well within the deadline.
+pub(super) fn algo_mismatch(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(4);
+    let algo = if ctx.rank == ctx.n - 1 {
+        Algo::OneShot
+    } else {
+        Algo::TwoShot
+    };
+    let (mut arx, s) = build_opts(ctx, st, timeout, None, Some(algo))?;
+    let n = 4096;
+    let din = up(&s, &verify::input::<f32>(SEED, 0x7700_0001, ctx.rank, n))?;
+    let mut dout = poisoned::<f32>(&s, n)?;
+    s.synchronize().map_err(e("sync"))?;
+    let t = Instant::now();
+    let r = arx
+        .allreduce(&din, &mut dout, &s)
+        .and_then(|()| arx.check());
+    let took = t.elapsed();
+    let msg = match &r {
+        Ok(()) => "no error".to_string(),
+        Err(x) => x.to_string(),
+    };
+    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= timeout / 2 {
+        return Err(format!(
+            "an algorithm mismatch not reported as CallMismatch within {:?} (after {took:.2?}): {msg}",
+            timeout / 2
+        ));
+    }
+    ctx.say(format!(
+        "rank 0 failed in {:.1} ms and says: {msg}",
+        took.as_secs_f64() * 1e3
+    ));
+    Ok(())
+}
