@@ -7,6 +7,9 @@
 //! ```sh
 //! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf --check
 //! mpirun -n 2 target/release/examples/allreduce_perf -b 8K -e 1M -f 2 -n 200 -w 20 -d bfloat16 -I -J perf.json
+//! # every all-reduce algorithm, one column each; reduce-scatter:
+//! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf -A all -b 8K -e 4M -d float -I --check
+//! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf -C reduce_scatter --check
 //! # GPU instance, 10 calls captured into one CUDA graph per replay:
 //! ARX_DEVICE=gpu mpirun -n 2 target/release/examples/allreduce_perf -d bfloat16 -G 10 --check
 //! ```
@@ -39,6 +42,22 @@
 //! NCCL's `ncclAllReduce` (module `nccl`), out of place and in place, timed
 //! exactly as arx's columns, when libnccl loads and every rank has its own
 //! GPU; otherwise the header says why it was skipped.
+//!
+//! **Algorithms** (`-A`, host instances): `-A oneshot|twoshot|auto`
+//! times one instance built with that `arx::Algo`; `-A all` builds one per
+//! algorithm and times each as its own column (`arx-1shot`, `arx-2shot`,
+//! `arx-auto`), one after the other at each size, with `1s/2s` = one-shot
+//! time ÷ two-shot time; `speedup` compares MPI with the last column.
+//! Without `-A` one instance follows `ARX_ALGO` (column `arx`). The GPU
+//! device side runs one-shot only so far: `-A twoshot|all` on a GPU
+//! instance is refused with that reason. `scripts/crossover` reads the
+//! `-J` files of `-A all` runs and prints the crossover table.
+//!
+//! **Collectives** (`-C`, module `colls`): `reduce_scatter` and
+//! `all_gather` time `reduce_scatter_host_op` / `all_gather_host` on a host
+//! instance beside `MPI_Reduce_scatter_block` / `MPI_Allgather`, sizes as
+//! nccl-tests' reduce_scatter_perf / all_gather_perf (the whole buffer);
+//! not measured on GPU instances yet (refused, saying so).
 //!
 //! `--check` (or `-c 1`, module `check`) validates every size and column
 //! against the independent reference of `arx::verify` on every rank (seeded
@@ -554,10 +573,10 @@ fn host_layout(args: &Args, insts: &[Inst]) -> Layout {
     l
 }
 
-/// A time ratio cell.
-fn ratio(a: Option<f64>, b: Option<f64>) -> String {
+/// A time ratio cell with `digits` decimals.
+fn ratio(a: Option<f64>, b: Option<f64>, digits: usize) -> String {
     match (a, b) {
-        (Some(a), Some(b)) => format!("{:.2}", a / b),
+        (Some(a), Some(b)) => format!("{:.digits$}", a / b),
         _ => "-".into(),
     }
 }
@@ -665,13 +684,13 @@ fn run_host(
                         cells(Kind::Host, args.per_iter, m, size, n),
                     ));
                     let last = &row.arx[row.arx.len() - 1];
-                    g.push((vec![7], vec![ratio(m.time_us, last.time_us)]));
+                    g.push((vec![7], vec![ratio(m.time_us, last.time_us, 1)]));
                     run.report.record(size, count, dt, "host", n, m);
                 }
                 if let Some((i1, i2)) = ratio_col(insts) {
                     g.push((
                         vec![6],
-                        vec![ratio(row.arx[i1].time_us, row.arx[i2].time_us)],
+                        vec![ratio(row.arx[i1].time_us, row.arx[i2].time_us, 2)],
                     ));
                 }
                 print_table_row(size, count, dt, run.op, &g);

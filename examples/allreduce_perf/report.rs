@@ -10,8 +10,17 @@
 //!   "CUDA-staged MPI_Allreduce"), "placement" ("out-of-place", "in-place"),
 //!   "launch" ("host", "eager", "graph"), "median_us", "p99_us", "time_us",
 //!   "algbw_GBps", "busbw_GBps", "bw_from" ("time_us" or "median_us"),
-//!   "check" ("exact", "tolerance" or null), "wrong", "inexact" }
+//!   "check" ("exact", "tolerance" or null), "wrong", "inexact",
+//!   host all-reduce arx columns also: "algo" (the instance's `ARX_ALGO`:
+//!   "auto", "oneshot", "twoshot"), "algo_run" (what that setting runs at
+//!   this size and world, `Algo::choose`) }
 //! ```
+//!
+//! `-A all` adds the columns "arx-1shot", "arx-2shot", "arx-auto" (header:
+//! `"algos"`, each column's algorithm, and `"twoshot_from_bytes"`); `-C`
+//! names the collective in the header (`"collective"`: "allreduce",
+//! "reduce_scatter", "all_gather"; host instances) with the columns "arx",
+//! "MPI_Reduce_scatter_block", "MPI_Allgather" and `"size_rule"`.
 //!
 //! Times are µs after the `-a` rule; a field that was not measured is null
 //! (`p99_us` without `-I`, `time_us` of CUDA-staged MPI, `median_us` of a
