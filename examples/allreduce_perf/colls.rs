@@ -241,7 +241,7 @@ fn arx_col<T: Element>(
         Coll::ReduceScatter => (n * per, per),
         _ => (per, n * per),
     };
-    let seed = 0xc011_ec7;
+    let seed = 0x0c01_1ec7;
     let fail = |e: arx::Error| format!("{} of {per} x {:?} per rank: {e}", coll.name(), T::DTYPE);
     let call = |arx: &mut Arx, inp: &[T], out: &mut [T]| match coll {
         Coll::ReduceScatter => arx.reduce_scatter_host_op(inp, out, op),
@@ -347,4 +347,21 @@ fn mpi_col(run: &mut Run, coll: Coll, floats: usize) -> Result<Col, String> {
         };
     }
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_follow_nccl_tests() {
+        // nccl-tests: base = count / (4 N) * 4 elements per rank.
+        assert_eq!(block_count(1 << 20, 4, 8), 32768);
+        assert_eq!(block_count(1 << 20, 2, 3), 174760);
+        assert_eq!(block_count(48, 4, 3), 4);
+        assert_eq!(block_count(47, 4, 3), 0);
+        assert_eq!(block_count(8, 2, 2), 0);
+        assert_eq!(Coll::AllGather.bus_factor(4), 0.75);
+        assert_eq!(Coll::AllReduce.bus_factor(4), 1.5);
+    }
 }
