@@ -174,6 +174,23 @@ pub(super) fn tally<T: Element>(
     (sum[0], sum[1])
 }
 
+/// (wrong, inexact) summed over ranks, for results that differ by rank
+/// (a reduce-scatter's blocks): no digest comparison. Collective.
+pub(super) fn tally_own<T: Element>(
+    world: &SimpleCommunicator,
+    got: &[T],
+    want: &[T],
+    tol: Option<&[f64]>,
+) -> (u64, u64) {
+    let local = {
+        let (w, i) = judge(got, want, tol);
+        [w, i]
+    };
+    let mut sum = [0u64; 2];
+    world.all_reduce_into(&local[..], &mut sum[..], SystemOperation::sum());
+    (sum[0], sum[1])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,9 @@
 //! ```sh
 //! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf --check
 //! mpirun -n 2 target/release/examples/allreduce_perf -b 8K -e 1M -f 2 -n 200 -w 20 -d bfloat16 -I -J perf.json
+//! # every all-reduce algorithm, one column each; reduce-scatter:
+//! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf -A all -b 8K -e 4M -d float -I --check
+//! mpirun -n 4 --oversubscribe target/release/examples/allreduce_perf -C reduce_scatter --check
 //! # GPU instance, 10 calls captured into one CUDA graph per replay:
 //! ARX_DEVICE=gpu mpirun -n 2 target/release/examples/allreduce_perf -d bfloat16 -G 10 --check
 //! ```
@@ -40,6 +43,22 @@
 //! exactly as arx's columns, when libnccl loads and every rank has its own
 //! GPU; otherwise the header says why it was skipped.
 //!
+//! **Algorithms** (`-A`, host instances): `-A oneshot|twoshot|auto`
+//! times one instance built with that `arx::Algo`; `-A all` builds one per
+//! algorithm and times each as its own column (`arx-1shot`, `arx-2shot`,
+//! `arx-auto`), one after the other at each size, with `1s/2s` = one-shot
+//! time ÷ two-shot time; `speedup` compares MPI with the last column.
+//! Without `-A` one instance follows `ARX_ALGO` (column `arx`). The GPU
+//! device side runs one-shot only so far: `-A twoshot|all` on a GPU
+//! instance is refused with that reason. `scripts/crossover` reads the
+//! `-J` files of `-A all` runs and prints the crossover table.
+//!
+//! **Collectives** (`-C`, module `colls`): `reduce_scatter` and
+//! `all_gather` time `reduce_scatter_host_op` / `all_gather_host` on a host
+//! instance beside `MPI_Reduce_scatter_block` / `MPI_Allgather`, sizes as
+//! nccl-tests' reduce_scatter_perf / all_gather_perf (the whole buffer);
+//! not measured on GPU instances yet (refused, saying so).
+//!
 //! `--check` (or `-c 1`, module `check`) validates every size and column
 //! against the independent reference of `arx::verify` on every rank (seeded
 //! inputs, poisoned outputs, digests compared across ranks): arx bit for
@@ -62,12 +81,14 @@ use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 mod check;
+mod colls;
 mod gpu;
 mod nccl;
 mod report;
 mod stages;
 mod stats;
 mod table;
+use colls::Coll;
 use gpu::*;
 use report::{Check, Col, Report, J};
 use stats::Across;
@@ -148,6 +169,18 @@ struct Args {
     /// checks.
     #[arg(long)]
     stages: bool,
+    /// All-reduce algorithm(s): auto (arx's choice by size and world,
+    /// `Algo::choose`), oneshot, twoshot, or all: one instance per
+    /// algorithm (built with `Builder::algo`), one column each (arx-1shot,
+    /// arx-2shot, arx-auto). Not given: one instance as `ARX_ALGO` says,
+    /// column "arx". Host instances (the GPU device side runs one-shot).
+    #[arg(short = 'A', long = "algo")]
+    algo: Option<String>,
+    /// Collective: allreduce (default), reduce_scatter or all_gather
+    /// (out of place; size = the whole buffer as in nccl-tests'
+    /// reduce_scatter_perf / all_gather_perf; host instances only so far).
+    #[arg(short = 'C', long = "collective", default_value = "allreduce")]
+    coll: String,
     #[arg(skip = Across::Slowest)]
     across: Across,
 }
@@ -204,6 +237,35 @@ fn main() -> ExitCode {
     }
 }
 
+/// An arx instance of the host sweep and the name of its column.
+struct Inst {
+    /// "arx" (one instance, `-A` auto or not given), "arx-1shot",
+    /// "arx-2shot", "arx-auto" (`-A all`).
+    name: &'static str,
+    arx: Arx,
+}
+
+/// `-A` → (column, the algorithm to build with; None: as `ARX_ALGO` says).
+fn algos(a: Option<&str>) -> Result<Vec<(&'static str, Option<arx::Algo>)>, String> {
+    use arx::Algo;
+    let one = |a: Algo| match a {
+        Algo::Auto => ("arx", Some(a)),
+        Algo::OneShot => ("arx-1shot", Some(a)),
+        Algo::TwoShot => ("arx-2shot", Some(a)),
+    };
+    Ok(match a {
+        None => vec![("arx", None)],
+        Some("all") => vec![
+            ("arx-1shot", Some(Algo::OneShot)),
+            ("arx-2shot", Some(Algo::TwoShot)),
+            ("arx-auto", Some(Algo::Auto)),
+        ],
+        Some(s) => vec![one(s.parse::<Algo>().map_err(|_| {
+            format!("-A {s}: expected auto, oneshot, twoshot or all")
+        })?)],
+    })
+}
+
 /// The canonical name of a `-d` value.
 fn dtype_name(dt: &str) -> &'static str {
     match dt {
@@ -233,18 +295,64 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         d @ ("bfloat16" | "bf16" | "half" | "f16" | "float" | "f32") => vec![dtype_name(d)],
         d => return Err(format!("-d {d}: expected bfloat16, half, float or all")),
     };
+    let specs = algos(args.algo.as_deref())?;
+    let coll = Coll::from_arg(&args.coll)?;
+    report::set_collective(coll);
+    if coll != Coll::AllReduce
+        && (specs.len() > 1 || specs[0].1.is_some_and(|a| a != arx::Algo::Auto))
+    {
+        return Err(format!(
+            "-A {}: -A picks all-reduce algorithms; -C {} has one",
+            args.algo.as_deref().unwrap_or(""),
+            coll.name()
+        ));
+    }
+    if coll != Coll::AllReduce && (args.stages || args.graph > 0) {
+        return Err(format!(
+            "-C {}: --stages and -G time all-reduce calls only",
+            coll.name()
+        ));
+    }
+    if args.stages && specs[0].1.is_some_and(|a| a != arx::Algo::OneShot) {
+        return Err("--stages times one-shot calls; -A does not apply".into());
+    }
     // A small sweep needs no more than its largest size per slot; larger
     // sizes run chunked, as a program's would. ARX_SLOT_BYTES, if set, wins.
-    let mut builder = Arx::builder();
-    if std::env::var_os("ARX_SLOT_BYTES").is_none() {
-        builder = builder.slot_bytes(arx::DEFAULT_SLOT_BYTES.min(max.next_power_of_two()));
+    let build = |algo: Option<arx::Algo>| {
+        let mut builder = Arx::builder();
+        if std::env::var_os("ARX_SLOT_BYTES").is_none() {
+            builder = builder.slot_bytes(arx::DEFAULT_SLOT_BYTES.min(max.next_power_of_two()));
+        }
+        if let Some(a) = algo {
+            builder = builder.algo(a);
+        }
+        builder.build(world).map_err(|e| e.to_string())
+    };
+    // The trace records the stages of a one-shot call (a two-shot call has
+    // two rounds of them).
+    let mut arx = build(if args.stages {
+        Some(arx::Algo::OneShot)
+    } else {
+        specs[0].1
+    })?;
+    let gpu = arx.cuda_context().is_some();
+    if gpu && coll != Coll::AllReduce {
+        return Err(format!(
+            "-C {}: not measured on a GPU instance yet (the GPU side of reduce_scatter / all_gather is not in arx yet); run a host instance (ARX_DEVICE=host)",
+            coll.name()
+        ));
     }
-    if args.stages {
-        // The trace records the stages of a one-shot call (a two-shot call
-        // has two rounds of them).
-        builder = builder.algo(arx::Algo::OneShot);
+    if gpu && (specs.len() > 1 || specs[0].1 == Some(arx::Algo::TwoShot)) {
+        return Err(format!(
+            "-A {}: the GPU device side runs one-shot only so far, so its two-shot is not measured yet; run a host instance (ARX_DEVICE=host), or -A oneshot",
+            args.algo.as_deref().unwrap_or("")
+        ));
     }
-    let mut arx = builder.build(world).map_err(|e| e.to_string())?;
+    // One instance per algorithm, built in the same order on every rank.
+    let mut more = vec![];
+    for &(_, algo) in &specs[1..] {
+        more.push(build(algo)?);
+    }
     let mut run = Run {
         args,
         world,
@@ -261,7 +369,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     }
     let wrong = if args.stages {
         stages::run_stages(&mut run, &mut arx, &dtypes, max)?
-    } else if arx.cuda_context().is_some() {
+    } else if coll != Coll::AllReduce {
+        colls::run_host_coll(&mut run, &mut arx, coll, &dtypes, &sizes)?
+    } else if gpu {
         run_gpu(&mut run, &mut arx, &dtypes, &sizes)?
     } else if args.graph > 0 {
         return Err(format!(
@@ -269,7 +379,12 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
             args.graph
         ));
     } else {
-        run_host(&mut run, &mut arx, &dtypes, &sizes)?
+        let mut insts: Vec<Inst> = std::iter::once(arx)
+            .chain(more)
+            .zip(&specs)
+            .map(|(arx, &(name, _))| Inst { name, arx })
+            .collect();
+        run_host(&mut run, &mut insts, &dtypes, &sizes)?
     };
     if world.rank() == 0 && !args.stages {
         if let Some(path) = &args.json {
@@ -411,29 +526,9 @@ fn common_header(run: &mut Run, d: &arx::Description, hosts: &[String], devices:
 
 // -------------------------------------------------------------- host side
 
-/// One host row: arx, then MPI_Allreduce unless `--no-mpi`.
-struct HostRow {
-    arx: Col,
-    mpi: Option<Col>,
-}
-
-fn host_layout(args: &Args) -> Layout {
-    let mut l = vec![("arx".to_string(), fields(Kind::Host, args.per_iter))];
-    if !args.no_mpi {
-        l.push(("MPI_Allreduce".into(), fields(Kind::Host, args.per_iter)));
-        l.push(("".into(), vec![("speedup", "(x)", 7)]));
-    }
-    l
-}
-
-fn run_host(
-    run: &mut Run,
-    arx: &mut Arx,
-    dtypes: &[&'static str],
-    sizes: &[usize],
-) -> Result<u64, String> {
-    let (args, world) = (run.args, run.world);
-    let d = arx.describe();
+/// Every rank's node name, and the header's devices line of a host
+/// instance (each node's CPU and core count). Collective.
+fn host_devices(world: &SimpleCommunicator) -> (Vec<String>, String) {
     let hosts = gather_text(world, &host_name());
     let cpus = gather_text(world, &cpu_desc());
     let mut kinds: Vec<String> = hosts
@@ -444,8 +539,61 @@ fn run_host(
     kinds.sort();
     kinds.dedup();
     let devices = format!("host CPUs: {}", kinds.join("; "));
+    (hosts, devices)
+}
+
+/// One host row: each arx column, then MPI_Allreduce unless `--no-mpi`.
+struct HostRow {
+    arx: Vec<Col>,
+    mpi: Option<Col>,
+}
+
+/// With `-A all`: the one-shot time ÷ the two-shot time (above 1: two-shot
+/// is faster).
+fn ratio_col(insts: &[Inst]) -> Option<(usize, usize)> {
+    let i1 = insts.iter().position(|i| i.name == "arx-1shot")?;
+    let i2 = insts.iter().position(|i| i.name == "arx-2shot")?;
+    Some((i1, i2))
+}
+
+/// The column `speedup` compares MPI with: the instance of the automatic
+/// choice (the last), as a program would run.
+fn host_layout(args: &Args, insts: &[Inst]) -> Layout {
+    let mut l: Layout = insts
+        .iter()
+        .map(|i| (i.name.to_string(), fields(Kind::Host, args.per_iter)))
+        .collect();
+    if !args.no_mpi {
+        l.push(("MPI_Allreduce".into(), fields(Kind::Host, args.per_iter)));
+        l.push(("".into(), vec![("speedup", "(x)", 7)]));
+    }
+    if ratio_col(insts).is_some() {
+        l.push(("".into(), vec![("1s/2s", "(x)", 6)]));
+    }
+    l
+}
+
+/// A time ratio cell with `digits` decimals.
+fn ratio(a: Option<f64>, b: Option<f64>, digits: usize) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) => format!("{:.digits$}", a / b),
+        _ => "-".into(),
+    }
+}
+
+fn run_host(
+    run: &mut Run,
+    insts: &mut [Inst],
+    dtypes: &[&'static str],
+    sizes: &[usize],
+) -> Result<u64, String> {
+    let (args, world) = (run.args, run.world);
+    let d = insts[0].arx.describe();
+    let (hosts, devices) = host_devices(world);
+    let n = world.size() as usize;
     if world.rank() == 0 {
         common_header(run, &d, &hosts, &devices);
+        run.report.set("collective", J::s("allreduce"));
         run.report.set("staging", J::Null);
         run.report.set(
             "nccl",
@@ -454,46 +602,96 @@ fn run_host(
                 ("version", J::Null),
             ]),
         );
+        let algos: Vec<J> = insts
+            .iter()
+            .map(|i| {
+                J::obj(vec![
+                    ("column", J::s(i.name)),
+                    ("algo", J::s(i.arx.config().algo.name())),
+                ])
+            })
+            .collect();
+        run.report.set("algos", J::Arr(algos));
+        run.report
+            .set("twoshot_from_bytes", J::Int(arx::TWOSHOT_FROM_BYTES as i64));
         println!(
             "# arx: allreduce_host, out of place; time = {} per call of -n back-to-back calls",
             if args.median { "median" } else { "mean" }
         );
+        for i in insts.iter() {
+            let a = i.arx.config().algo;
+            println!(
+                "# {}: ARX_ALGO={}{}",
+                i.name,
+                a.name(),
+                if a == arx::Algo::Auto {
+                    format!(
+                        " (two-shot from {} B at 3 ranks or more; here {})",
+                        arx::TWOSHOT_FROM_BYTES,
+                        if n >= 3 { "by size" } else { "one-shot" }
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
         if !args.no_mpi {
-            println!("# MPI_Allreduce: float sum over the same number of bytes (MPI has no bfloat16/half sum), timed alike; checked within the sum-order tolerance; speedup = MPI time / arx time");
+            println!("# MPI_Allreduce: float sum over the same number of bytes (MPI has no bfloat16/half sum), timed alike; checked within the sum-order tolerance; speedup = MPI time / {} time", insts[insts.len() - 1].name);
+        }
+        if ratio_col(insts).is_some() {
+            println!("# 1s/2s = arx-1shot time / arx-2shot time (above 1: two-shot is faster)");
         }
         println!("#");
-        print_table_header(&host_layout(args));
+        print_table_header(&host_layout(args, insts));
     }
-    let n = world.size() as usize;
     let mut total_wrong = 0;
     for &dt in dtypes {
         for &size in sizes {
             let row = match dt {
-                "bfloat16" => measure_host::<bf16>(run, arx, size)?,
-                "half" => measure_host::<f16>(run, arx, size)?,
-                _ => measure_host::<f32>(run, arx, size)?,
+                "bfloat16" => measure_host::<bf16>(run, insts, size)?,
+                "half" => measure_host::<f16>(run, insts, size)?,
+                _ => measure_host::<f32>(run, insts, size)?,
             };
             let Some(row) = row else { continue };
-            total_wrong += row.arx.wrong + row.mpi.as_ref().map_or(0, |m| m.wrong);
+            total_wrong += row.arx.iter().map(|c| c.wrong).sum::<u64>()
+                + row.mpi.as_ref().map_or(0, |m| m.wrong);
             if world.rank() == 0 {
                 let esize = if dt == "float" { 4 } else { 2 };
                 let count = size / esize;
-                let mut g = vec![(
-                    widths(Kind::Host, args.per_iter),
-                    cells(Kind::Host, args.per_iter, &row.arx, size, n),
-                )];
-                run.report.record(size, count, dt, "host", n, &row.arx);
+                let mut g = vec![];
+                for (c, i) in row.arx.iter().zip(insts.iter()) {
+                    g.push((
+                        widths(Kind::Host, args.per_iter),
+                        cells(Kind::Host, args.per_iter, c, size, n),
+                    ));
+                    let algo = i.arx.config().algo;
+                    run.report.record_with(
+                        size,
+                        count,
+                        dt,
+                        "host",
+                        n,
+                        c,
+                        vec![
+                            ("algo", J::s(algo.name())),
+                            ("algo_run", J::s(algo.choose(n, size).name())),
+                        ],
+                    );
+                }
                 if let Some(m) = &row.mpi {
                     g.push((
                         widths(Kind::Host, args.per_iter),
                         cells(Kind::Host, args.per_iter, m, size, n),
                     ));
-                    let sp = match (m.time_us, row.arx.time_us) {
-                        (Some(a), Some(b)) => format!("{:.1}", a / b),
-                        _ => "-".into(),
-                    };
-                    g.push((vec![7], vec![sp]));
+                    let last = &row.arx[row.arx.len() - 1];
+                    g.push((vec![7], vec![ratio(m.time_us, last.time_us, 1)]));
                     run.report.record(size, count, dt, "host", n, m);
+                }
+                if let Some((i1, i2)) = ratio_col(insts) {
+                    g.push((
+                        vec![6],
+                        vec![ratio(row.arx[i1].time_us, row.arx[i2].time_us, 2)],
+                    ));
                 }
                 print_table_row(size, count, dt, run.op, &g);
             }
@@ -537,14 +735,30 @@ fn host_times(run: &Run, per: &[f64], mean: f64) -> (Option<f64>, Option<f64>, f
 
 fn measure_host<T: Element>(
     run: &mut Run,
-    arx: &mut Arx,
+    insts: &mut [Inst],
     size: usize,
 ) -> Result<Option<HostRow>, String> {
-    let (args, world, check, op) = (run.args, run.world, run.check, run.op);
     let count = size / std::mem::size_of::<T>();
     if count == 0 {
         return Ok(None);
     }
+    let mut cols = vec![];
+    for i in insts.iter_mut() {
+        cols.push(measure_arx_host::<T>(run, i, count)?);
+    }
+    let mpi = measure_mpi_host(run, size)?;
+    Ok(Some(HostRow { arx: cols, mpi }))
+}
+
+/// One arx column: `-n` back-to-back calls of `count` elements, then (with
+/// `--check`) their last result and three fresh calls against the reference.
+fn measure_arx_host<T: Element>(
+    run: &mut Run,
+    inst: &mut Inst,
+    count: usize,
+) -> Result<Col, String> {
+    let (args, world, check, op) = (run.args, run.world, run.check, run.op);
+    let arx = &mut inst.arx;
     let rank = world.rank() as usize;
     let n = world.size() as usize;
     let iters = args.iters.max(1);
@@ -553,7 +767,7 @@ fn measure_host<T: Element>(
     let timed_call = run.call;
     let input = verify::input::<T>(seed, timed_call, rank, count);
     let mut out = vec![T::from_f32(0.0); count];
-    let fail = |e: arx::Error| format!("{count} x {:?}: {e}", T::DTYPE);
+    let fail = |e: arx::Error| format!("{}: {count} x {:?}: {e}", inst.name, T::DTYPE);
 
     for _ in 0..args.warmup {
         arx.allreduce_host_op(&input, &mut out, op).map_err(fail)?;
@@ -564,7 +778,7 @@ fn measure_host<T: Element>(
     })?;
     let (median_us, p99_us, time) = host_times(run, &per, mean);
     let mut col = Col {
-        name: "arx",
+        name: inst.name,
         placement: "out-of-place",
         median_us,
         p99_us,
@@ -587,7 +801,15 @@ fn measure_host<T: Element>(
             col.wrong += check::tally(world, &out, &want, None).0;
         }
     }
+    Ok(col)
+}
 
+/// The MPI_Allreduce column of `size` bytes (None with `--no-mpi`).
+fn measure_mpi_host(run: &mut Run, size: usize) -> Result<Option<Col>, String> {
+    let (args, world, check) = (run.args, run.world, run.check);
+    let rank = world.rank() as usize;
+    let n = world.size() as usize;
+    let iters = args.iters.max(1);
     let mpi = if args.no_mpi {
         None
     } else {
@@ -624,5 +846,5 @@ fn measure_host<T: Element>(
         }
         Some(m)
     };
-    Ok(Some(HostRow { arx: col, mpi }))
+    Ok(mpi)
 }

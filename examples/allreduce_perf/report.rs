@@ -10,14 +10,25 @@
 //!   "CUDA-staged MPI_Allreduce"), "placement" ("out-of-place", "in-place"),
 //!   "launch" ("host", "eager", "graph"), "median_us", "p99_us", "time_us",
 //!   "algbw_GBps", "busbw_GBps", "bw_from" ("time_us" or "median_us"),
-//!   "check" ("exact", "tolerance" or null), "wrong", "inexact" }
+//!   "check" ("exact", "tolerance" or null), "wrong", "inexact",
+//!   host all-reduce arx columns also: "algo" (the instance's `ARX_ALGO`:
+//!   "auto", "oneshot", "twoshot"), "algo_run" (what that setting runs at
+//!   this size and world, `Algo::choose`) }
 //! ```
+//!
+//! `-A all` adds the columns "arx-1shot", "arx-2shot", "arx-auto" (header:
+//! `"algos"`, each column's algorithm, and `"twoshot_from_bytes"`); `-C`
+//! names the collective in the header (`"collective"`: "allreduce",
+//! "reduce_scatter", "all_gather"; host instances) with the columns "arx",
+//! "MPI_Reduce_scatter_block", "MPI_Allgather" and `"size_rule"`.
 //!
 //! Times are µs after the `-a` rule; a field that was not measured is null
 //! (`p99_us` without `-I`, `time_us` of CUDA-staged MPI, `median_us` of a
 //! host column without `-I`/`--median`); `wrong` is null without `--check`.
 
 use std::fmt::Write as _;
+
+use super::colls::Coll;
 
 /// A JSON value, written by hand (no serde in the examples' dependencies).
 pub(super) enum J {
@@ -179,9 +190,22 @@ impl Col {
     }
 }
 
-/// nccl-tests' bus bandwidth factor for all-reduce: 2(n−1)/n.
+/// The collective this run times (`-C`), set once before any bandwidth is
+/// computed.
+static COLLECTIVE: std::sync::OnceLock<Coll> = std::sync::OnceLock::new();
+
+pub(super) fn set_collective(c: Coll) {
+    let _ = COLLECTIVE.set(c);
+}
+
+/// nccl-tests' bus bandwidth factor of the collective this run times:
+/// all-reduce 2(n−1)/n, reduce-scatter and all-gather (n−1)/n.
 pub(super) fn bus_factor(n: usize) -> f64 {
-    2.0 * (n as f64 - 1.0) / n as f64
+    COLLECTIVE
+        .get()
+        .copied()
+        .unwrap_or(Coll::AllReduce)
+        .bus_factor(n)
 }
 
 /// Everything `-J` writes; filled on rank 0 only.
@@ -196,7 +220,6 @@ impl Report {
         self.header.push((k.to_string(), v));
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn record(
         &mut self,
         size: usize,
@@ -206,10 +229,25 @@ impl Report {
         n: usize,
         c: &Col,
     ) {
+        self.record_with(size, count, dtype, launch, n, c, vec![]);
+    }
+
+    /// [`Report::record`] with more fields at the end (e.g. `algo`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_with(
+        &mut self,
+        size: usize,
+        count: usize,
+        dtype: &str,
+        launch: &str,
+        n: usize,
+        c: &Col,
+        extra: Vec<(&str, J)>,
+    ) {
         let (t, from) = c.bw_time();
         let alg = t.map(|t| size as f64 / t / 1e3);
         let checked = c.check != Check::Off;
-        self.results.push(J::obj(vec![
+        let mut fields = vec![
             ("size_bytes", J::Int(size as i64)),
             ("count", J::Int(count as i64)),
             ("dtype", J::s(dtype)),
@@ -246,7 +284,9 @@ impl Report {
                     J::Null
                 },
             ),
-        ]));
+        ];
+        fields.extend(extra);
+        self.results.push(J::obj(fields));
     }
 
     pub(super) fn write(self, path: &str) -> Result<(), String> {

@@ -135,7 +135,19 @@ pub(super) fn print_table_row(
     op: arx::Op,
     groups: &[(Vec<usize>, Vec<String>)],
 ) {
-    let mut s = format!("  {size:>10} {count:>10} {dtype:>9} {:>6}", op.name());
+    print_table_row_redop(size, count, dtype, op.name(), groups);
+}
+
+/// [`print_table_row`] with the redop cell spelled out ("none" for
+/// all-gather, as nccl-tests prints).
+pub(super) fn print_table_row_redop(
+    size: usize,
+    count: usize,
+    dtype: &str,
+    redop: &str,
+    groups: &[(Vec<usize>, Vec<String>)],
+) {
+    let mut s = format!("  {size:>10} {count:>10} {dtype:>9} {redop:>6}");
     for (ws, cs) in groups {
         let cells: Vec<String> = ws.iter().zip(cs).map(|(w, c)| format!("{c:>w$}")).collect();
         s.push_str(&format!(" | {}", cells.join(" ")));
