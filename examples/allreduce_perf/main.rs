@@ -48,9 +48,9 @@
 //! algorithm and times each as its own column (`arx-1shot`, `arx-2shot`,
 //! `arx-auto`), one after the other at each size, with `1s/2s` = one-shot
 //! time ÷ two-shot time; `speedup` compares MPI with the last column.
-//! Without `-A` one instance follows `ARX_ALGO` (column `arx`). The GPU
-//! device side runs one-shot only so far: `-A twoshot|all` on a GPU
-//! instance is refused with that reason. `scripts/crossover` reads the
+//! Without `-A` one instance follows `ARX_ALGO` (column `arx`). A GPU
+//! instance times one algorithm per run (`-A all` is refused there; run
+//! `-A oneshot` and `-A twoshot` one after the other). `scripts/crossover` reads the
 //! `-J` files of `-A all` runs and prints the crossover table.
 //!
 //! **Collectives** (`-C`, module `colls`): `reduce_scatter` and
@@ -342,9 +342,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
             coll.name()
         ));
     }
-    if gpu && (specs.len() > 1 || specs[0].1 == Some(arx::Algo::TwoShot)) {
+    if gpu && specs.len() > 1 {
         return Err(format!(
-            "-A {}: the GPU device side runs one-shot only so far, so its two-shot is not measured yet; run a host instance (ARX_DEVICE=host), or -A oneshot",
+            "-A {}: a GPU instance times one algorithm per run: -A oneshot, -A twoshot or -A auto",
             args.algo.as_deref().unwrap_or("")
         ));
     }
