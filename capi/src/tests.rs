@@ -39,6 +39,7 @@ fn every_error_variant_has_its_code() {
         count: 3,
         more: false,
         op: arx::Op::Sum,
+        pattern: arx::Pattern::Whole,
     };
     let mismatch = |theirs| Error::CallMismatch {
         seq: 1,
