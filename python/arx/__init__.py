@@ -103,6 +103,13 @@ class ClosedError(InvalidUsageError):
     """The Comm was closed."""
 
 
+class UnsupportedError(InvalidUsageError, NotImplementedError):
+    """A call this build of arx cannot make: ``reduce_scatter`` and
+    ``all_gather`` on CUDA tensors/arrays (their GPU side is not in it
+    yet). Also a ``NotImplementedError``. The call is refused as a bad
+    argument is: the peers fail at once and the Comm is failed."""
+
+
 from ._arx import MPI_LIBRARY, SETTINGS, __version__  # noqa: E402
 from ._comm import Comm  # noqa: E402
 
@@ -125,6 +132,7 @@ __all__ = [
     "ProxyError",
     "InvalidUsageError",
     "ClosedError",
+    "UnsupportedError",
     "MPI_LIBRARY",
     "SETTINGS",
     "__version__",
