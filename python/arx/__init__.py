@@ -14,7 +14,8 @@ NumPy arrays (float32, float16; bfloat16 as uint16 with dtype="bfloat16"),
 CPU torch tensors, and CUDA torch tensors / CuPy arrays (float32, float16,
 bfloat16) on a GPU instance, enqueued on the current stream (capturable in
 ``torch.cuda.graph``). ``arx.torch.all_reduce_(tensor, comm)`` is the same
-call as a torch custom op for ``torch.compile``. Every failure raises an
+call as a torch custom op for ``torch.compile``. ``comm.reduce_scatter`` and
+``comm.all_gather`` (NCCL's definitions) take host arrays. Every failure raises an
 ``arx.Error`` subclass carrying arx's message. See docs/PYTHON.md.
 """
 

@@ -1,6 +1,6 @@
 """``arx.Comm``: an arx instance on an mpi4py communicator, and the dispatch
-of ``allreduce`` by argument kind (host buffer, torch tensor, CUDA array
-interface, DLPack)."""
+of ``allreduce`` (and of ``reduce_scatter``/``all_gather``) by argument kind
+(host buffer, torch tensor, CUDA array interface, DLPack)."""
 
 import itertools
 import sys
@@ -341,7 +341,8 @@ class Comm:
 
         Host buffers and CPU torch tensors, as ``allreduce``. CUDA tensors
         and arrays raise ``arx.UnsupportedError``: the GPU side of
-        reduce_scatter/all_gather is not in this build.
+        reduce_scatter/all_gather is not in this build (``stream`` is for
+        it, unused until then). See docs/PYTHON.md.
         """
         self._blocks("reduce_scatter", x, out, op, dtype)
         return x if out is None else out
