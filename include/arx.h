@@ -459,9 +459,11 @@ arxResult_t arxAllReduceHost(const void *sendbuff, void *recvbuff, size_t count,
  * every rank (elements `r·recvcount ..`) lands in rank `r`'s `recvbuff`
  * of `recvcount` elements, bit for bit block `r` of `arxAllReduce` of the
  * same inputs. In place when `recvbuff == sendbuff + rank × recvcount`.
- * Device memory on `stream`, as `arxAllReduce`: this build has no GPU side
- * of it, and refuses such a call with `arxInvalidUsage` (on the host side
- * too); `arxReduceScatterHost` runs on host memory.
+ * The buffers are device memory, the call enqueued on `stream`, as
+ * `arxAllReduce`'s; but this build has no GPU side of it: the call is
+ * refused with `arxInvalidUsage` on this rank (after the checks of
+ * arguments wrong on their face), on a comm of either side.
+ * `arxReduceScatterHost` runs on host memory.
  *
  * # Safety
  * As `arxAllReduce`, for `N × recvcount` elements at `sendbuff` and
@@ -474,7 +476,7 @@ arxResult_t arxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvco
  * `sendcount` elements, concatenated in rank order, lands in every rank's
  * `recvbuff` of `N × sendcount` elements. In place when `sendbuff ==
  * recvbuff + rank × sendcount`. Device memory on `stream`: as
- * [`arxReduceScatter`], refused with `arxInvalidUsage` by this build;
+ * `arxReduceScatter`, refused with `arxInvalidUsage` by this build;
  * `arxAllGatherHost` runs on host memory.
  *
  * # Safety
@@ -484,7 +486,7 @@ arxResult_t arxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvco
 arxResult_t arxAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, arxDataType_t datatype, arxComm_t comm, cudaStream_t stream);
 
 /**
- * [`arxReduceScatter`] on host memory; returns when `recvbuff` holds the
+ * `arxReduceScatter` on host memory; returns when `recvbuff` holds the
  * result. Works on a comm of either side (on the GPU side it synchronizes
  * the GPU first).
  *
@@ -497,7 +499,7 @@ arxResult_t arxAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
 arxResult_t arxReduceScatterHost(const void *sendbuff, void *recvbuff, size_t recvcount, arxDataType_t datatype, arxRedOp_t op, arxComm_t comm);
 
 /**
- * [`arxAllGather`] on host memory; returns when `recvbuff` holds the
+ * `arxAllGather` on host memory; returns when `recvbuff` holds the
  * result. Works on a comm of either side (on the GPU side it synchronizes
  * the GPU first).
  *
