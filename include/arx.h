@@ -453,6 +453,64 @@ arxResult_t arxAllReduce(const void *sendbuff, void *recvbuff, size_t count, arx
  */
 arxResult_t arxAllReduceHost(const void *sendbuff, void *recvbuff, size_t count, arxDataType_t datatype, arxRedOp_t op, arxComm_t comm);
 
+/**
+ * Reduce-scatter (NCCL's `ncclReduceScatter`): `sendbuff` holds
+ * `N × recvcount` elements (N ranks); block `r` of their reduction over
+ * every rank (elements `r·recvcount ..`) lands in rank `r`'s `recvbuff`
+ * of `recvcount` elements, bit for bit block `r` of `arxAllReduce` of the
+ * same inputs. In place when `recvbuff == sendbuff + rank × recvcount`.
+ * The buffers are device memory, the call enqueued on `stream`, as
+ * `arxAllReduce`'s; but this build has no GPU side of it: the call is
+ * refused with `arxInvalidUsage` on this rank (after the checks of
+ * arguments wrong on their face), on a comm of either side.
+ * `arxReduceScatterHost` runs on host memory.
+ *
+ * # Safety
+ * As `arxAllReduce`, for `N × recvcount` elements at `sendbuff` and
+ * `recvcount` at `recvbuff`.
+ */
+arxResult_t arxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount, arxDataType_t datatype, arxRedOp_t op, arxComm_t comm, cudaStream_t stream);
+
+/**
+ * All-gather (NCCL's `ncclAllGather`): every rank's `sendbuff` of
+ * `sendcount` elements, concatenated in rank order, lands in every rank's
+ * `recvbuff` of `N × sendcount` elements. In place when `sendbuff ==
+ * recvbuff + rank × sendcount`. Device memory on `stream`: as
+ * `arxReduceScatter`, refused with `arxInvalidUsage` by this build;
+ * `arxAllGatherHost` runs on host memory.
+ *
+ * # Safety
+ * As `arxAllReduce`, for `sendcount` elements at `sendbuff` and `N ×
+ * sendcount` at `recvbuff`.
+ */
+arxResult_t arxAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, arxDataType_t datatype, arxComm_t comm, cudaStream_t stream);
+
+/**
+ * `arxReduceScatter` on host memory; returns when `recvbuff` holds the
+ * result. Works on a comm of either side (on the GPU side it synchronizes
+ * the GPU first).
+ *
+ * # Safety
+ * `sendbuff` is readable for `N × recvcount` elements of `datatype`
+ * (and writable, in place) and `recvbuff` writable for `recvcount`, both
+ * aligned to the element, and nothing else touches them during the call;
+ * `comm` is NULL (refused) or live.
+ */
+arxResult_t arxReduceScatterHost(const void *sendbuff, void *recvbuff, size_t recvcount, arxDataType_t datatype, arxRedOp_t op, arxComm_t comm);
+
+/**
+ * `arxAllGather` on host memory; returns when `recvbuff` holds the
+ * result. Works on a comm of either side (on the GPU side it synchronizes
+ * the GPU first).
+ *
+ * # Safety
+ * `sendbuff` is readable for `sendcount` elements of `datatype` and
+ * `recvbuff` writable for `N × sendcount`, both aligned to the element,
+ * and nothing else touches them during the call; `comm` is NULL (refused)
+ * or live.
+ */
+arxResult_t arxAllGatherHost(const void *sendbuff, void *recvbuff, size_t sendcount, arxDataType_t datatype, arxComm_t comm);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

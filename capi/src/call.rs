@@ -1,9 +1,12 @@
-//! The all-reduce calls: the arguments C can get wrong on their face are
-//! checked here, before anything collective happens (the call is then not
-//! made: it does not count, the comm stays usable, and no peer is told).
-//! Any count is passed on: arx runs a count beyond the slot as chunks of
-//! one slot, and ranks whose counts differ (also only in the total of a
-//! chunked call) all fail at once with a mismatch.
+//! The all-reduce, reduce-scatter and all-gather calls: the arguments C
+//! can get wrong on their face are checked here, before anything
+//! collective happens (the call is then not made: it does not count, the
+//! comm stays usable, and no peer is told). The one exception is the
+//! layout of a reduce-scatter's or all-gather's buffers ([`Blocks::layout`]),
+//! which depends on the rank and is refused on every rank at once (see
+//! `blocks_layout` in lib.rs). Any count is passed on: arx runs a count
+//! beyond the slot as chunks, and ranks whose counts differ (also only in
+//! the total of a chunked call) all fail at once with a mismatch.
 
 use std::ffi::c_void;
 
@@ -163,4 +166,219 @@ pub(crate) unsafe fn device(
         )
     }
     .map_err(Failure::from)
+}
+
+/// Which of NCCL's block collectives a call is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Coll {
+    /// `recvbuff` (`n`) gets this rank's block of the reduction of every
+    /// rank's `sendbuff` (`world × n`).
+    ReduceScatter,
+    /// `recvbuff` (`world × n`) gets every rank's `sendbuff` (`n`) in rank
+    /// order.
+    AllGather,
+}
+
+impl Coll {
+    fn name(self) -> &'static str {
+        match self {
+            Coll::ReduceScatter => "reduce-scatter",
+            Coll::AllGather => "all-gather",
+        }
+    }
+}
+
+/// The buffers of a reduce-scatter or all-gather, checked on their face
+/// (non-NULL, `world × n` elements in bytes without overflow) by
+/// [`Blocks::check`]; their layout (in place or disjoint) by
+/// [`Blocks::layout`].
+pub(crate) struct Blocks {
+    pub coll: Coll,
+    pub op: Op,
+    pub send: usize,
+    pub recv: usize,
+    /// Elements per rank: `recvcount` of a reduce-scatter, `sendcount` of
+    /// an all-gather.
+    pub n: usize,
+    pub dtype: Dtype,
+    world: usize,
+    rank: usize,
+    /// Bytes of one block, and of `world` blocks.
+    block: usize,
+    whole: usize,
+    in_place: bool,
+}
+
+impl Blocks {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn check(
+        coll: Coll,
+        send: *const c_void,
+        recv: *mut c_void,
+        n: usize,
+        dtype: Dtype,
+        op: Op,
+        world: usize,
+        rank: usize,
+    ) -> Result<Self, Failure> {
+        if send.is_null() || recv.is_null() {
+            return Err(Failure::invalid(format!(
+                "{} is NULL",
+                if send.is_null() {
+                    "sendbuff"
+                } else {
+                    "recvbuff"
+                }
+            )));
+        }
+        let (s, r) = (send as usize, recv as usize);
+        // The world-sized buffer: sendbuff of a reduce-scatter, recvbuff of
+        // an all-gather.
+        let big = if coll == Coll::ReduceScatter { s } else { r };
+        let sizes = n.checked_mul(dtype.size()).and_then(|block| {
+            let whole = block.checked_mul(world)?;
+            let small = if big == s { r } else { s };
+            (whole <= isize::MAX as usize
+                && big.checked_add(whole).is_some()
+                && small.checked_add(block).is_some())
+            .then_some((block, whole))
+        });
+        let (block, whole) = sizes.ok_or_else(|| {
+            Failure::invalid(format!(
+                "count {n} of {} x {world} ranks overflows the address space",
+                dtype.name()
+            ))
+        })?;
+        Ok(Blocks {
+            coll,
+            op,
+            send: s,
+            recv: r,
+            n,
+            dtype,
+            world,
+            rank,
+            block,
+            whole,
+            in_place: false,
+        })
+    }
+
+    /// Whether the buffers are in place as NCCL defines it (the
+    /// `n`-element buffer is this rank's block of the other), disjoint
+    /// (`Ok`), or overlap otherwise (`Err`, the message). The answer
+    /// depends on the rank: `recvbuff == sendbuff` is in place on rank 0
+    /// only.
+    pub(crate) fn layout(&mut self) -> Result<(), String> {
+        let (big, small) = match self.coll {
+            Coll::ReduceScatter => (self.send, self.recv),
+            Coll::AllGather => (self.recv, self.send),
+        };
+        let mine = big + self.rank * self.block;
+        if small == mine {
+            self.in_place = true;
+            return Ok(());
+        }
+        let overlap = self.block > 0 && small < big + self.whole && big < small + self.block;
+        if !overlap {
+            return Ok(());
+        }
+        let rule = match self.coll {
+            Coll::ReduceScatter => "recvbuff == sendbuff + rank * recvcount",
+            Coll::AllGather => "sendbuff == recvbuff + rank * sendcount",
+        };
+        Err(format!(
+            "{}: sendbuff {:#x} and recvbuff {:#x} overlap, but not in place for rank {} \
+             ({rule} is in place, here {mine:#x}; {} elements of {} per rank, {} ranks)",
+            self.coll.name(),
+            self.send,
+            self.recv,
+            self.rank,
+            self.n,
+            self.dtype.name(),
+            self.world
+        ))
+    }
+
+    /// Host buffers must be aligned to their element (a Rust slice over
+    /// them must be).
+    pub(crate) fn aligned(&self) -> Result<(), Failure> {
+        let align = self.dtype.size();
+        if self.send % align != 0 || self.recv % align != 0 {
+            return Err(Failure::invalid(format!(
+                "sendbuff {:#x} or recvbuff {:#x} is not aligned to {align} bytes, the alignment of {}",
+                self.send,
+                self.recv,
+                self.dtype.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether [`Blocks::layout`] found the buffers in place.
+    #[cfg(test)]
+    pub(crate) fn in_place(&self) -> bool {
+        self.in_place
+    }
+}
+
+/// `arxReduceScatterHost` / `arxAllGatherHost` on buffers checked by
+/// [`Blocks::check`], [`Blocks::aligned`] and [`Blocks::layout`].
+///
+/// # Safety
+/// The buffers are host memory, the one of `world × n` elements readable
+/// (and writable in place) and the other readable (send) or writable
+/// (recv), not accessed by anything else during the call.
+pub(crate) unsafe fn host_blocks(arx: &mut Arx, b: &Blocks) -> Result<(), Failure> {
+    // SAFETY: passed on.
+    unsafe {
+        match b.dtype {
+            Dtype::F32 => blocks_typed::<f32>(arx, b),
+            Dtype::F16 => blocks_typed::<f16>(arx, b),
+            Dtype::Bf16 => blocks_typed::<bf16>(arx, b),
+        }
+    }
+}
+
+/// # Safety
+/// As [`host_blocks`], with `T` the element type of `b.dtype`.
+unsafe fn blocks_typed<T: Element>(arx: &mut Arx, b: &Blocks) -> Result<(), Failure> {
+    let (n, all) = (b.n, b.n * b.world);
+    let r = match (b.coll, b.in_place) {
+        (Coll::ReduceScatter, true) => {
+            // SAFETY: `all` elements from sendbuff (checked to fit), aligned,
+            // which the caller lets this call write in place (recvbuff is
+            // its block), unshared for the call.
+            let buf = unsafe { std::slice::from_raw_parts_mut(b.send as *mut T, all) };
+            arx.reduce_scatter_host_in_place_op(buf, b.op)
+        }
+        (Coll::ReduceScatter, false) => {
+            // SAFETY: aligned, sized as checked, disjoint (checked by
+            // `layout`), valid and unshared for the call.
+            let (input, out) = unsafe {
+                (
+                    std::slice::from_raw_parts(b.send as *const T, all),
+                    std::slice::from_raw_parts_mut(b.recv as *mut T, n),
+                )
+            };
+            arx.reduce_scatter_host_op(input, out, b.op)
+        }
+        (Coll::AllGather, true) => {
+            // SAFETY: `all` writable elements at recvbuff (sendbuff is its
+            // block), aligned, unshared for the call.
+            let buf = unsafe { std::slice::from_raw_parts_mut(b.recv as *mut T, all) };
+            arx.all_gather_host_in_place(buf)
+        }
+        (Coll::AllGather, false) => {
+            // SAFETY: as the reduce-scatter's, sizes swapped.
+            let (input, out) = unsafe {
+                (
+                    std::slice::from_raw_parts(b.send as *const T, n),
+                    std::slice::from_raw_parts_mut(b.recv as *mut T, all),
+                )
+            };
+            arx.all_gather_host(input, out)
+        }
+    };
+    r.map_err(Failure::from)
 }

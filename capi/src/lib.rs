@@ -314,5 +314,187 @@ pub unsafe extern "C" fn arxAllReduceHost(
     unsafe { comm::with_comm("arxAllReduceHost", comm, f) }
 }
 
+/// The checks of a reduce-scatter or all-gather that are local, as
+/// `arxAllReduce`'s (arguments wrong on their face: refused on this rank
+/// only, nothing is sent and the comm stays usable).
+fn blocks_face(
+    st: &comm::State,
+    coll: call::Coll,
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    n: usize,
+    datatype: RawDataType,
+    op: Option<RawRedOp>,
+) -> Result<call::Blocks, Failure> {
+    let d = call::dtype(datatype)?;
+    let o = op.map_or(Ok(arx::Op::Sum), call::op)?;
+    let (world, rank) = (st.arx.world(), st.arx.rank());
+    call::Blocks::check(coll, sendbuff, recvbuff, n, d, o, world, rank)
+}
+
+/// The layout check, after the local ones: buffers that overlap without
+/// being in place for this rank are refused through `Arx::refuse_call`,
+/// so that every peer fails at once. The in-place position depends on the
+/// rank (`recvbuff == sendbuff` is in place on rank 0 only), so a layout
+/// wrong here may be right on a peer, which would otherwise wait for the
+/// call timeout. The comm is then failed on every rank.
+fn blocks_layout(st: &mut comm::State, b: &mut call::Blocks) -> Result<(), Failure> {
+    b.layout()
+        .map_err(|why| Failure::from(st.arx.refuse_call(b.n, Error::InvalidArgument(why))))
+}
+
+/// Refusal of a device call on a comm of the host side.
+fn host_side(host_fn: &str) -> Failure {
+    Failure::usage(format!(
+        "this comm runs the host side (no usable GPU on some rank, or arxDeviceHost): \
+         use {host_fn}, or set arxConfig_t.device = arxDeviceGpu"
+    ))
+}
+
+/// Reduce-scatter (NCCL's `ncclReduceScatter`): `sendbuff` holds
+/// `N × recvcount` elements (N ranks); block `r` of their reduction over
+/// every rank (elements `r·recvcount ..`) lands in rank `r`'s `recvbuff`
+/// of `recvcount` elements, bit for bit block `r` of `arxAllReduce` of the
+/// same inputs. In place when `recvbuff == sendbuff + rank × recvcount`.
+/// The buffers are device memory, the call enqueued on `stream`, as
+/// `arxAllReduce`'s; but this build has no GPU side of it: the call is
+/// refused with `arxInvalidUsage` on this rank (after the checks of
+/// arguments wrong on their face), on a comm of either side.
+/// `arxReduceScatterHost` runs on host memory.
+///
+/// # Safety
+/// As `arxAllReduce`, for `N × recvcount` elements at `sendbuff` and
+/// `recvcount` at `recvbuff`.
+#[no_mangle]
+pub unsafe extern "C" fn arxReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    comm: arxComm_t,
+    stream: cudaStream_t,
+) -> RawResult {
+    let f = |c: &arxComm, st: &mut comm::State| {
+        let coll = call::Coll::ReduceScatter;
+        let _b = blocks_face(st, coll, sendbuff, recvbuff, recvcount, datatype, Some(op))?;
+        if !c.gpu() {
+            return Err(host_side("arxReduceScatterHost"));
+        }
+        let _ = stream;
+        // GPU: wire Arx::reduce_scatter_raw / all_gather_raw here (after
+        // `blocks_layout`, as arxReduceScatterHost does; the layout is not
+        // checked before then: a refusal told to the peers would meet no
+        // call of theirs while every rank refuses here).
+        Err(gpu_missing())
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxReduceScatter", comm, f) }
+}
+
+/// All-gather (NCCL's `ncclAllGather`): every rank's `sendbuff` of
+/// `sendcount` elements, concatenated in rank order, lands in every rank's
+/// `recvbuff` of `N × sendcount` elements. In place when `sendbuff ==
+/// recvbuff + rank × sendcount`. Device memory on `stream`: as
+/// `arxReduceScatter`, refused with `arxInvalidUsage` by this build;
+/// `arxAllGatherHost` runs on host memory.
+///
+/// # Safety
+/// As `arxAllReduce`, for `sendcount` elements at `sendbuff` and `N ×
+/// sendcount` at `recvbuff`.
+#[no_mangle]
+pub unsafe extern "C" fn arxAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: RawDataType,
+    comm: arxComm_t,
+    stream: cudaStream_t,
+) -> RawResult {
+    let f = |c: &arxComm, st: &mut comm::State| {
+        let coll = call::Coll::AllGather;
+        let _b = blocks_face(st, coll, sendbuff, recvbuff, sendcount, datatype, None)?;
+        if !c.gpu() {
+            return Err(host_side("arxAllGatherHost"));
+        }
+        let _ = stream;
+        // GPU: wire Arx::reduce_scatter_raw / all_gather_raw here (after
+        // `blocks_layout`, as in arxReduceScatter).
+        Err(gpu_missing())
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxAllGather", comm, f) }
+}
+
+/// Until the GPU side of reduce_scatter/all_gather is wired in: refused on
+/// this rank (every rank of a GPU comm refuses alike; the comm stays
+/// usable).
+fn gpu_missing() -> Failure {
+    Failure::usage(
+        "the GPU side of reduce_scatter/all_gather is not in this build: \
+         use arxReduceScatterHost / arxAllGatherHost on host memory",
+    )
+}
+
+/// `arxReduceScatter` on host memory; returns when `recvbuff` holds the
+/// result. Works on a comm of either side (on the GPU side it synchronizes
+/// the GPU first).
+///
+/// # Safety
+/// `sendbuff` is readable for `N × recvcount` elements of `datatype`
+/// (and writable, in place) and `recvbuff` writable for `recvcount`, both
+/// aligned to the element, and nothing else touches them during the call;
+/// `comm` is NULL (refused) or live.
+#[no_mangle]
+pub unsafe extern "C" fn arxReduceScatterHost(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: RawDataType,
+    op: RawRedOp,
+    comm: arxComm_t,
+) -> RawResult {
+    let f = |_: &arxComm, st: &mut comm::State| {
+        let coll = call::Coll::ReduceScatter;
+        let mut b = blocks_face(st, coll, sendbuff, recvbuff, recvcount, datatype, Some(op))?;
+        b.aligned()?;
+        blocks_layout(st, &mut b)?;
+        // SAFETY: the buffers are the caller's contract; sized, aligned
+        // and laid out as checked.
+        unsafe { call::host_blocks(&mut st.arx, &b) }
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxReduceScatterHost", comm, f) }
+}
+
+/// `arxAllGather` on host memory; returns when `recvbuff` holds the
+/// result. Works on a comm of either side (on the GPU side it synchronizes
+/// the GPU first).
+///
+/// # Safety
+/// `sendbuff` is readable for `sendcount` elements of `datatype` and
+/// `recvbuff` writable for `N × sendcount`, both aligned to the element,
+/// and nothing else touches them during the call; `comm` is NULL (refused)
+/// or live.
+#[no_mangle]
+pub unsafe extern "C" fn arxAllGatherHost(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: RawDataType,
+    comm: arxComm_t,
+) -> RawResult {
+    let f = |_: &arxComm, st: &mut comm::State| {
+        let coll = call::Coll::AllGather;
+        let mut b = blocks_face(st, coll, sendbuff, recvbuff, sendcount, datatype, None)?;
+        b.aligned()?;
+        blocks_layout(st, &mut b)?;
+        // SAFETY: as in `arxReduceScatterHost`.
+        unsafe { call::host_blocks(&mut st.arx, &b) }
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxAllGatherHost", comm, f) }
+}
+
 #[cfg(test)]
 mod tests;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use arx::{CallDesc, CallKind, Dtype, Error};
 
-use crate::call::Buffers;
+use crate::call::{Blocks, Buffers, Coll};
 use crate::error::{code_of, describe, guard, thread_error, Failure, ALL};
 use crate::types::*;
 
@@ -39,6 +39,7 @@ fn every_error_variant_has_its_code() {
         count: 3,
         more: false,
         op: arx::Op::Sum,
+        pattern: arx::Pattern::Whole,
     };
     let mismatch = |theirs| Error::CallMismatch {
         seq: 1,
@@ -256,6 +257,140 @@ fn buffers_null_overlap_and_overflow_are_refused() {
     assert!(buffers(4096, 4104, 2, Dtype::F32).is_ok(), "adjacent");
     assert!(buffers(4104, 4096, 2, Dtype::F32).is_ok(), "adjacent");
     assert!(buffers(4096, 8192, 0, Dtype::Bf16).is_ok(), "empty");
+}
+
+/// The layout of a reduce-scatter or all-gather on `rank` of `world`:
+/// `Some(true)` in place, `Some(false)` disjoint, `None` refused (the face
+/// checks of `Blocks::check` panic the test if they refuse).
+fn blocks_layout(
+    coll: Coll,
+    s: usize,
+    r: usize,
+    n: usize,
+    world: usize,
+    rank: usize,
+) -> Option<bool> {
+    let d = Dtype::F32;
+    let mut b = Blocks::check(
+        coll,
+        s as *const c_void,
+        r as *mut c_void,
+        n,
+        d,
+        arx::Op::Sum,
+        world,
+        rank,
+    )
+    .unwrap_or_else(|f| panic!("face check refused: {}", f.message));
+    b.layout().ok().map(|()| b.in_place())
+}
+
+#[test]
+fn blocks_in_place_only_at_this_ranks_block() {
+    use Coll::*;
+    // 3 ranks, 10 floats per rank: the big buffer at 4096 spans 120 bytes.
+    for rank in 0..3 {
+        let mine = 4096 + 40 * rank;
+        assert_eq!(
+            blocks_layout(ReduceScatter, 4096, mine, 10, 3, rank),
+            Some(true)
+        );
+        assert_eq!(
+            blocks_layout(AllGather, mine, 4096, 10, 3, rank),
+            Some(true)
+        );
+        // Another rank's block, or recvbuff == sendbuff off rank 0.
+        let other = 4096 + 40 * ((rank + 1) % 3);
+        assert_eq!(blocks_layout(ReduceScatter, 4096, other, 10, 3, rank), None);
+        assert_eq!(blocks_layout(AllGather, other, 4096, 10, 3, rank), None);
+        assert_eq!(
+            blocks_layout(ReduceScatter, 4096, 4096, 10, 3, rank),
+            (rank == 0).then_some(true)
+        );
+        assert_eq!(
+            blocks_layout(AllGather, 4096, 4096, 10, 3, rank),
+            (rank == 0).then_some(true)
+        );
+        // Off by one element, and the small buffer straddling either end.
+        assert_eq!(
+            blocks_layout(ReduceScatter, 4096, mine + 4, 10, 3, rank),
+            None
+        );
+        assert_eq!(
+            blocks_layout(ReduceScatter, 4096, 4096 - 36, 10, 3, rank),
+            None
+        );
+        assert_eq!(
+            blocks_layout(AllGather, 4096 + 116, 4096, 10, 3, rank),
+            None
+        );
+        // Adjacent on either side: disjoint.
+        assert_eq!(
+            blocks_layout(ReduceScatter, 4096, 4096 + 120, 10, 3, rank),
+            Some(false)
+        );
+        assert_eq!(
+            blocks_layout(ReduceScatter, 4096, 4096 - 40, 10, 3, rank),
+            Some(false)
+        );
+        assert_eq!(
+            blocks_layout(AllGather, 4096 - 40, 4096, 10, 3, rank),
+            Some(false)
+        );
+        assert_eq!(
+            blocks_layout(AllGather, 4096 + 120, 4096, 10, 3, rank),
+            Some(false)
+        );
+    }
+    // Empty: equal pointers are in place, any others disjoint.
+    assert_eq!(
+        blocks_layout(ReduceScatter, 4096, 4096, 0, 3, 2),
+        Some(true)
+    );
+    assert_eq!(blocks_layout(AllGather, 4100, 4096, 0, 3, 2), Some(false));
+}
+
+#[test]
+fn blocks_null_and_overflow_are_refused() {
+    let check = |coll, s: usize, r: usize, n, world| {
+        Blocks::check(
+            coll,
+            s as *const c_void,
+            r as *mut c_void,
+            n,
+            Dtype::F16,
+            arx::Op::Sum,
+            world,
+            0,
+        )
+        .err()
+        .map(|f| f.code)
+    };
+    let invalid = Some(arxResult_t::arxInvalidArgument);
+    for coll in [Coll::ReduceScatter, Coll::AllGather] {
+        assert_eq!(check(coll, 0, 4096, 1, 2), invalid);
+        assert_eq!(check(coll, 4096, 0, 1, 2), invalid);
+        // n fits on its own, not times the ranks.
+        assert_eq!(
+            check(coll, 4096, 1 << 40, (isize::MAX as usize) / 4, 3),
+            invalid
+        );
+        assert_eq!(check(coll, 4096, 1 << 40, usize::MAX / 2, 2), invalid);
+        assert_eq!(check(coll, 4096, 1 << 40, 1000, 8), None);
+    }
+    // The world-sized buffer past the end of the address space.
+    assert_eq!(
+        check(Coll::ReduceScatter, usize::MAX - 64, 4096, 20, 2),
+        invalid
+    );
+    assert_eq!(
+        check(Coll::AllGather, 4096, usize::MAX - 64, 20, 2),
+        invalid
+    );
+    assert_eq!(
+        check(Coll::ReduceScatter, usize::MAX - 80, 4096, 20, 2),
+        None
+    );
 }
 
 #[test]

@@ -14,7 +14,8 @@ NumPy arrays (float32, float16; bfloat16 as uint16 with dtype="bfloat16"),
 CPU torch tensors, and CUDA torch tensors / CuPy arrays (float32, float16,
 bfloat16) on a GPU instance, enqueued on the current stream (capturable in
 ``torch.cuda.graph``). ``arx.torch.all_reduce_(tensor, comm)`` is the same
-call as a torch custom op for ``torch.compile``. Every failure raises an
+call as a torch custom op for ``torch.compile``. ``comm.reduce_scatter`` and
+``comm.all_gather`` (NCCL's definitions) take host arrays. Every failure raises an
 ``arx.Error`` subclass carrying arx's message. See docs/PYTHON.md.
 """
 
@@ -103,6 +104,13 @@ class ClosedError(InvalidUsageError):
     """The Comm was closed."""
 
 
+class UnsupportedError(InvalidUsageError, NotImplementedError):
+    """A call this build of arx cannot make: ``reduce_scatter`` and
+    ``all_gather`` on CUDA tensors/arrays (their GPU side is not in it
+    yet). Also a ``NotImplementedError``. The call is refused as a bad
+    argument is: the peers fail at once and the Comm is failed."""
+
+
 from ._arx import MPI_LIBRARY, SETTINGS, __version__  # noqa: E402
 from ._comm import Comm  # noqa: E402
 
@@ -125,6 +133,7 @@ __all__ = [
     "ProxyError",
     "InvalidUsageError",
     "ClosedError",
+    "UnsupportedError",
     "MPI_LIBRARY",
     "SETTINGS",
     "__version__",

@@ -1,6 +1,6 @@
 """``arx.Comm``: an arx instance on an mpi4py communicator, and the dispatch
-of ``allreduce`` by argument kind (host buffer, torch tensor, CUDA array
-interface, DLPack)."""
+of ``allreduce`` (and of ``reduce_scatter``/``all_gather``) by argument kind
+(host buffer, torch tensor, CUDA array interface, DLPack)."""
 
 import itertools
 import sys
@@ -225,17 +225,28 @@ class Comm:
         return x if out is None else out
 
     def _host(self, x, out, dtype, op):
-        # ml_dtypes' bfloat16 arrays cannot be exported as buffers: their
-        # bits go as uint16.
+        x, out, dtype = self._host_views(x, out, dtype)
+        self._c.allreduce_host(x, out, dtype, op)
+
+    @staticmethod
+    def _host_views(x, out, dtype):
+        """(x, out, dtype) for the host calls: ml_dtypes' bfloat16 arrays
+        cannot be exported as buffers, so their bits go as uint16."""
         if dtype is None and getattr(getattr(x, "dtype", None), "name", None) == "bfloat16":
             x = x.view("uint16")
             if out is not None:
                 if getattr(getattr(out, "dtype", None), "name", None) == "bfloat16":
                     out = out.view("uint16")
             dtype = "bfloat16"
-        self._c.allreduce_host(x, out, dtype, op)
+        return x, out, dtype
 
     def _torch_cpu(self, x, out, op):
+        xv, ov, dt = self._torch_cpu_views(x, None if out is x else out)
+        self._c.allreduce_host(xv, ov, dt, op)
+
+    def _torch_cpu_views(self, x, out):
+        """NumPy views of CPU tensors (bfloat16 as int16 bits) and the
+        dtype keyword for the host calls."""
         c = self._c
         torch = _torch()
 
@@ -250,8 +261,8 @@ class Comm:
 
         bf16 = x.dtype == torch.bfloat16
         xv = host_view(x, "the input")
-        ov = None if out is None or out is x else host_view(out, "out")
-        c.allreduce_host(xv, ov, "bfloat16" if bf16 else None, op)
+        ov = None if out is None else host_view(out, "out")
+        return xv, ov, "bfloat16" if bf16 else None
 
     def _torch_cuda(self, x, out, stream, red):
         c = self._c
@@ -315,6 +326,71 @@ class Comm:
         (ip, n, dt) = args[0]
         (op, on, odt) = args[-1]
         c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream), red)
+
+    # -- reduce-scatter and all-gather ---------------------------------------
+    def reduce_scatter(self, x, out=None, op="sum", *, stream=None, dtype=None):
+        """Reduce-scatter (NCCL's definition): ``x`` holds ``size * n``
+        elements; their reduction over all ranks is cut into ``size`` blocks
+        of ``n`` and block ``r`` lands in rank ``r``'s ``out`` (``n``
+        elements). Bit for bit block ``r`` of ``allreduce`` of the same
+        inputs (same ``op`` rules). In place when ``out`` is None: this
+        rank's block of ``x`` (``x.ravel()[rank*n:(rank+1)*n]``) receives
+        the result, the other blocks are left as they were; ``out`` being
+        that very block is in place too. Returns the array holding the
+        result (``x`` in place).
+
+        Host buffers and CPU torch tensors, as ``allreduce``. CUDA tensors
+        and arrays raise ``arx.UnsupportedError``: the GPU side of
+        reduce_scatter/all_gather is not in this build (``stream`` is for
+        it, unused until then). See docs/PYTHON.md.
+        """
+        self._blocks("reduce_scatter", x, out, op, dtype)
+        return x if out is None else out
+
+    def all_gather(self, x, out=None, *, stream=None, dtype=None):
+        """All-gather (NCCL's definition): every rank's ``x`` (``n``
+        elements), concatenated in rank order, lands in every rank's ``out``
+        (``size * n`` elements), bits unchanged. In place when ``out`` is
+        None: ``x`` holds ``size * n`` elements and this rank's block of it
+        is the input; ``x`` being that block of ``out`` is in place too.
+        Returns the array holding the result (``x`` in place).
+
+        Host buffers and CPU torch tensors, as ``allreduce``; CUDA tensors
+        and arrays raise ``arx.UnsupportedError`` (see ``reduce_scatter``).
+        """
+        self._blocks("all_gather", x, out, None, dtype)
+        return x if out is None else out
+
+    def _blocks(self, name, x, out, op, dtype):
+        c = self._c
+        if c is None:
+            raise ClosedError("this arx.Comm is closed")
+        if op is not None and op not in ("sum", "max", "min", "avg"):
+            c.refuse(_count(x), f"op={op!r}: arx reduces with op='sum', 'max', 'min' or 'avg'")
+        kind = _kind(x)
+        if out is not None and _kind(out) != kind:
+            c.refuse(
+                _count(x),
+                f"input is a {type(x).__name__} ({kind}) but out is a {type(out).__name__} "
+                f"({_kind(out)}): both must be the same kind of array",
+            )
+        if kind in ("torch-cuda", "cai", "dlpack-cuda"):
+            # GPU: wire Arx::reduce_scatter_raw / all_gather_raw here
+            c.refuse(
+                _count(x),
+                f"{name} on a CUDA array ({type(x).__name__}): the GPU side of "
+                "reduce_scatter/all_gather is not in this build; pass host arrays "
+                "(NumPy, CPU tensors)",
+                True,
+            )
+        if kind == "torch-cpu":
+            xv, ov, dt = self._torch_cpu_views(x, out)
+        else:
+            xv, ov, dt = self._host_views(x, out, dtype)
+        if name == "reduce_scatter":
+            c.reduce_scatter_host(xv, ov, dt, op)
+        else:
+            c.all_gather_host(xv, ov, dt)
 
     @staticmethod
     def _cai_stream(x, ai):

@@ -15,6 +15,8 @@ pub(crate) enum Usage {
     Busy,
     /// Not allowed on this thread (MPI's thread level).
     Thread(String),
+    /// A call this build cannot make (the message says which).
+    Unsupported(String),
 }
 
 /// The Python exception for `e`.
@@ -90,6 +92,7 @@ pub(crate) fn usage_err(py: Python<'_>, u: Usage) -> PyErr {
                 .to_string(),
         ),
         Usage::Thread(m) => ("InvalidUsageError", m),
+        Usage::Unsupported(m) => ("UnsupportedError", m),
     };
     make(py, class, msg, &attrs)
 }

@@ -1,6 +1,7 @@
 //! Host buffers (NumPy arrays, anything with the buffer protocol): the
 //! checks arx cannot make itself (element type, layout, writability,
-//! overlap), then `Arx::allreduce_host`.
+//! overlap), then `Arx::allreduce_host`, `Arx::reduce_scatter_host` or
+//! `Arx::all_gather_host`.
 
 use arx::{Arx, Dtype, Error};
 use pyo3::buffer::PyUntypedBuffer;
@@ -14,6 +15,7 @@ pub(crate) struct HostBuf {
     pub dtype: Dtype,
     pub addr: usize,
     pub count: usize,
+    pub readonly: bool,
 }
 
 impl HostBuf {
@@ -118,6 +120,7 @@ pub(crate) fn view(
     }
     let addr = buf.buf_ptr() as usize;
     let count = buf.item_count();
+    let readonly = buf.readonly();
     if count > 0 && addr % dtype.size() != 0 {
         return Err(Error::InvalidArgument(format!(
             "{what} is not aligned to its {}-byte elements (address {addr:#x})",
@@ -129,6 +132,7 @@ pub(crate) fn view(
         dtype,
         addr,
         count,
+        readonly,
     })
 }
 
@@ -232,5 +236,158 @@ unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall, op: arx::Op) -> ar
             };
             arx.allreduce_host_op(input, out, op)
         }
+    }
+}
+
+/// Which of NCCL's block collectives a host call is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Coll {
+    /// `out` (`n`) gets this rank's block of the reduction of every rank's
+    /// `input` (`world × n`).
+    ReduceScatter,
+    /// `out` (`world × n`) gets every rank's `input` (`n`) in rank order.
+    AllGather,
+}
+
+impl Coll {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Coll::ReduceScatter => "reduce_scatter",
+            Coll::AllGather => "all_gather",
+        }
+    }
+}
+
+/// A reduce-scatter or all-gather, checked: in place in one buffer of
+/// `world × n` elements, or input and output disjoint.
+pub(crate) struct BlockCall {
+    pub coll: Coll,
+    pub dtype: Dtype,
+    /// None: in place in `out` (`world × n` elements).
+    pub input: Option<(usize, usize)>,
+    pub out: (usize, usize),
+}
+
+/// Checks the buffers of a block collective: the same dtype; `out` None
+/// (in place in `input`), or the `n`-element buffer being this rank's
+/// block of the other (in place, as NCCL defines it), or disjoint. The
+/// lengths are arx's to check (it refuses them on every rank).
+pub(crate) fn pair_blocks(
+    coll: Coll,
+    world: usize,
+    rank: usize,
+    input: &HostBuf,
+    out: Option<&HostBuf>,
+) -> Result<BlockCall, Error> {
+    let Some(out) = out else {
+        return Ok(BlockCall {
+            coll,
+            dtype: input.dtype,
+            input: None,
+            out: (input.addr, input.count),
+        });
+    };
+    if out.dtype != input.dtype {
+        return Err(Error::InvalidArgument(format!(
+            "{}: input is {} but out is {}: both must have the same dtype",
+            coll.name(),
+            crate::dtype_name(input.dtype),
+            crate::dtype_name(out.dtype)
+        )));
+    }
+    let (big, small, big_name) = match coll {
+        Coll::ReduceScatter => (input, out, "input"),
+        Coll::AllGather => (out, input, "out"),
+    };
+    let n = small.count;
+    let mine = big.addr.saturating_add(rank.saturating_mul(small.bytes()));
+    if n > 0 && small.addr == mine && big.count == world.saturating_mul(n) {
+        if big.readonly {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {big_name} is read-only, and in place the result is written there",
+                coll.name()
+            )));
+        }
+        return Ok(BlockCall {
+            coll,
+            dtype: input.dtype,
+            input: None,
+            out: (big.addr, big.count),
+        });
+    }
+    if overlap(input.addr, input.bytes(), out.addr, out.bytes()) {
+        let rule = match coll {
+            Coll::ReduceScatter => "out = input[rank*n:(rank+1)*n]",
+            Coll::AllGather => "input = out[rank*n:(rank+1)*n]",
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{}: out overlaps the input ({} bytes at {:#x} and {} bytes at {:#x}) without \
+             being in place for rank {rank}: in place is out=None, or {rule} with \
+             {} ranks x n elements; otherwise pass disjoint arrays",
+            coll.name(),
+            input.bytes(),
+            input.addr,
+            out.bytes(),
+            out.addr,
+            world
+        )));
+    }
+    Ok(BlockCall {
+        coll,
+        dtype: input.dtype,
+        input: Some((input.addr, input.count)),
+        out: (out.addr, out.count),
+    })
+}
+
+/// Runs the checked block call.
+///
+/// # Safety
+/// As [`run`], for the buffers of `c` checked by [`view`] and
+/// [`pair_blocks`].
+pub(crate) unsafe fn run_blocks(arx: &mut Arx, c: &BlockCall, op: arx::Op) -> arx::Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.dtype {
+            Dtype::F32 => blocks_typed::<f32>(arx, c, op),
+            Dtype::F16 => blocks_typed::<half::f16>(arx, c, op),
+            Dtype::Bf16 => blocks_typed::<half::bf16>(arx, c, op),
+        }
+    }
+}
+
+/// # Safety
+/// As [`run_blocks`], with `T` the element type of `c.dtype`.
+unsafe fn blocks_typed<T: arx::Element>(
+    arx: &mut Arx,
+    c: &BlockCall,
+    op: arx::Op,
+) -> arx::Result<()> {
+    let (out_addr, out_n) = c.out;
+    let out: &mut [T] = if out_n == 0 {
+        &mut []
+    } else {
+        // SAFETY: `run_blocks`'s contract: a writable, aligned, exported
+        // buffer of `out_n` elements of T that nothing else accesses during
+        // the call.
+        unsafe { std::slice::from_raw_parts_mut(out_addr as *mut T, out_n) }
+    };
+    let Some((in_addr, in_n)) = c.input else {
+        return match c.coll {
+            Coll::ReduceScatter => arx.reduce_scatter_host_in_place_op(out, op),
+            Coll::AllGather => arx.all_gather_host_in_place(out),
+        };
+    };
+    let input: &[T] = if in_n == 0 {
+        &[]
+    } else {
+        // SAFETY: `run_blocks`'s contract: an aligned, exported buffer of
+        // `in_n` elements of T, disjoint from `out` (checked by
+        // `pair_blocks`).
+        unsafe { std::slice::from_raw_parts(in_addr as *const T, in_n) }
+    };
+    match c.coll {
+        Coll::ReduceScatter => arx.reduce_scatter_host_op(input, out, op),
+        Coll::AllGather => arx.all_gather_host(input, out),
     }
 }

@@ -299,16 +299,7 @@ impl Comm {
         let arx = me.instance().map_err(|u| usage_err(py, u))?;
         let checked = (|| {
             let op = op_named(op)?;
-            let bf16 = match dtype {
-                None => false,
-                Some("bfloat16" | "bf16") => true,
-                Some(other) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "dtype='{other}': only dtype='bfloat16' (for uint16 buffers of \
-                         bfloat16 bits) may be given"
-                    )))
-                }
-            };
+            let bf16 = bf16_keyword(dtype)?;
             let i = host::view(input, "input", out.is_none(), bf16)?;
             let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
             let call = host::pair(&i, o.as_ref())?;
@@ -331,6 +322,37 @@ impl Comm {
         });
         drop((i, o));
         r.map_err(|e| arx_err(py, e))
+    }
+
+    /// Reduce-scatter on host buffers: `input` (`size × n` elements) into
+    /// `out` (`n`), or in place when `out` is None (this rank's block of
+    /// `input` receives the result) or `out` is that block. `dtype` and
+    /// `op` as `allreduce_host`.
+    #[pyo3(signature = (input, out=None, dtype=None, op="sum"))]
+    fn reduce_scatter_host(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        op: &str,
+    ) -> PyResult<()> {
+        blocks_host(slf, py, host::Coll::ReduceScatter, input, out, dtype, op)
+    }
+
+    /// All-gather on host buffers: `input` (`n` elements) of every rank into
+    /// `out` (`size × n`) in rank order, or in place when `out` is None
+    /// (`input` holds `size × n` elements, this rank's block is its input)
+    /// or `input` is this rank's block of `out`.
+    #[pyo3(signature = (input, out=None, dtype=None))]
+    fn all_gather_host(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+    ) -> PyResult<()> {
+        blocks_host(slf, py, host::Coll::AllGather, input, out, dtype, "sum")
     }
 
     /// GPU call on device addresses (torch tensors, CuPy arrays), enqueued
@@ -374,19 +396,26 @@ impl Comm {
 
     /// Refuses this rank's part of the next call with `message` (an
     /// argument error found in Python): peers fail at once naming this rank.
-    /// Always raises.
+    /// Always raises: `arx.InvalidArgumentError`, or with `unsupported`
+    /// `arx.UnsupportedError` (a call this build cannot make), or the
+    /// instance's earlier error.
+    #[pyo3(signature = (count, message, unsupported=false))]
     fn refuse(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
         count: usize,
         message: String,
+        unsupported: bool,
     ) -> PyResult<()> {
         let mut me = borrow(py, slf)?;
         let arx = me.instance().map_err(|u| usage_err(py, u))?;
-        Err(arx_err(
-            py,
-            arx.refuse_call(count, Error::InvalidArgument(message)),
-        ))
+        let e = arx.refuse_call(count, Error::InvalidArgument(message.clone()));
+        match e {
+            Error::InvalidArgument(m) if unsupported && m == message => {
+                Err(usage_err(py, Usage::Unsupported(m)))
+            }
+            e => Err(arx_err(py, e)),
+        }
     }
 
     /// Waits for this instance's GPU work and raises the first error the
@@ -400,6 +429,65 @@ impl Comm {
         })
         .map_err(|e| arx_err(py, e))
     }
+}
+
+/// `dtype=`: None, or "bfloat16" for 16-bit integer buffers of bfloat16
+/// bits.
+fn bf16_keyword(dtype: Option<&str>) -> arx::Result<bool> {
+    match dtype {
+        None => Ok(false),
+        Some("bfloat16" | "bf16") => Ok(true),
+        Some(other) => Err(Error::InvalidArgument(format!(
+            "dtype='{other}': only dtype='bfloat16' (for uint16 buffers of \
+             bfloat16 bits) may be given"
+        ))),
+    }
+}
+
+/// `reduce_scatter_host` / `all_gather_host`: the binding's checks (a
+/// refusal is told to the peers), then the call with the GIL released.
+fn blocks_host(
+    slf: &Bound<'_, Comm>,
+    py: Python<'_>,
+    coll: host::Coll,
+    input: &Bound<'_, PyAny>,
+    out: Option<&Bound<'_, PyAny>>,
+    dtype: Option<&str>,
+    op: &str,
+) -> PyResult<()> {
+    let mut me = borrow(py, slf)?;
+    let arx = me.instance().map_err(|u| usage_err(py, u))?;
+    let (world, rank) = (arx.world(), arx.rank());
+    let checked = (|| {
+        let op = op_named(op)?;
+        let bf16 = bf16_keyword(dtype)?;
+        let i = host::view(input, "input", out.is_none(), bf16)?;
+        let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
+        let call = host::pair_blocks(coll, world, rank, &i, o.as_ref())?;
+        Ok((i, o, call, op))
+    })();
+    let (i, o, call, op) = match checked {
+        Ok(c) => c,
+        Err(e) => {
+            // The count per rank, as arx's own refusals show it.
+            let n = match (coll, out) {
+                (host::Coll::ReduceScatter, Some(o)) => host::count_hint(o),
+                (host::Coll::AllGather, Some(_)) => host::count_hint(input),
+                (_, None) => host::count_hint(input) / world.max(1),
+            };
+            return Err(arx_err(py, arx.refuse_call(n, e)));
+        }
+    };
+    let arx = SendArx(arx);
+    let r = py.detach(move || {
+        let arx = arx;
+        // SAFETY: `i` and `o` hold the exports checked by `view` and
+        // `pair_blocks` until after this call; the GIL is released, and the
+        // docs tell callers not to touch the arrays during the call.
+        unsafe { host::run_blocks(arx.0, &call, op) }
+    });
+    drop((i, o));
+    r.map_err(|e| arx_err(py, e))
 }
 
 /// `&mut Arx` into a closure that runs with the GIL released (on the same

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import arx
-from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, bits, case, check, expect_error,
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SEED, SIZE, WORLD, bits, case, check, expect_error,
                      expected, main, narrow, note, partial, poison, same_bits, widen, wrong)
 
 
@@ -486,6 +486,180 @@ def cuda_arrays_are_checked_and_refused_by_a_host_instance():
             e, dt = expect_error(lambda: comm.allreduce(make()), arx.InvalidArgumentError,
                                  contains=words, name=f"cuda array: {name}")
             check(dt < PROMPT, f"cuda array: {name}: took {dt:.1f} s")
+
+
+# ---- reduce_scatter and all_gather -----------------------------------------
+
+def rs_expected(case_id, n, dtype, op):
+    """Block RANK of the all-reduce of every rank's size*n input, computed
+    here (harness.expected / op_expected), and this rank's input."""
+    parts = [partial(case_id, SIZE * n, dtype, r) for r in range(SIZE)]
+    full = expected(parts, dtype) if op == "sum" else op_expected(parts, dtype, op)
+    return parts[RANK], full[RANK * n:(RANK + 1) * n]
+
+
+def ag_input(case_id, n, dtype, r):
+    """Rank r's all-gather input: random bits of the element size, any
+    pattern (NaN payloads included: the call must move bits unchanged)."""
+    rng = np.random.default_rng([SEED, case_id, r, 7])
+    u = rng.integers(0, 2 ** 32, n, dtype=np.uint32)
+    if dtype == "float32":
+        return u.view(np.float32)
+    a = u.astype(np.uint16)
+    return a if dtype == "bfloat16" else a.view(np.float16)
+
+
+@case
+def reduce_scatter_and_all_gather_on_host_buffers():
+    """Every dtype; n from 0 to beyond a 4 KiB slot (chunked); out of
+    place, in place (out=None) and in place as out = this rank's block;
+    sum, max, min, avg; checked bit for bit against NumPy references."""
+    with arx.Comm(WORLD, slot_bytes=4096) as comm:
+        cid = 3000
+        for dtype in ("float32", "float16", "bfloat16"):
+            kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+            for n in (0, 1, 5, 1000, 2500):
+                for mode in ("out", "none", "view"):
+                    for op in ("sum",) if n != 1000 else ("sum", "max", "min", "avg"):
+                        cid += 1
+                        name = f"reduce_scatter {op} {dtype} n={n} {mode}"
+                        mine, want = rs_expected(cid, n, dtype, op)
+                        x = mine.copy()
+                        if mode == "out":
+                            out = poison(n, dtype)
+                            got = comm.reduce_scatter(x, out, op=op, **kw)
+                            check(got is out, f"{name}: did not return out")
+                            check(same_bits(x, mine), f"{name}: the input changed")
+                        elif mode == "none":
+                            got = comm.reduce_scatter(x, op=op, **kw)
+                            check(got is x, f"{name}: did not return the input")
+                            out = x[RANK * n:(RANK + 1) * n]
+                        else:
+                            out = x[RANK * n:(RANK + 1) * n]
+                            got = comm.reduce_scatter(x, out, op=op, **kw)
+                            check(got is out, f"{name}: did not return out")
+                        check(same_bits(out, want), f"{name}: {wrong(out, want)}")
+                        if mode != "out":
+                            rest = np.concatenate([x[: RANK * n], x[(RANK + 1) * n:]])
+                            keep = np.concatenate([mine[: RANK * n], mine[(RANK + 1) * n:]])
+                            check(same_bits(rest, keep), f"{name}: another rank's block changed")
+                    cid += 1
+                    name = f"all_gather {dtype} n={n} {mode}"
+                    parts = [ag_input(cid, n, dtype, r) for r in range(SIZE)]
+                    want = np.concatenate(parts)
+                    if mode == "out":
+                        x = parts[RANK].copy()
+                        out = poison(SIZE * n, dtype)
+                        got = comm.all_gather(x, out, **kw)
+                        check(got is out and same_bits(x, parts[RANK]), f"{name}: return value or input")
+                    else:
+                        out = poison(SIZE * n, dtype)
+                        out[RANK * n:(RANK + 1) * n] = parts[RANK]
+                        if mode == "none":
+                            got = comm.all_gather(out, **kw)
+                        else:
+                            got = comm.all_gather(out[RANK * n:(RANK + 1) * n], out, **kw)
+                        check(got is out, f"{name}: did not return the full array")
+                    check(same_bits(out, want), f"{name}: {wrong(out, want)}")
+        # 2-D arrays are flat buffers, as for allreduce.
+        mine, want = rs_expected(3500, 64, "float32", "sum")
+        out = poison(64, "float32").reshape(8, 8)
+        comm.reduce_scatter(mine.reshape(SIZE, 64), out)
+        check(same_bits(out.ravel(), want), f"reduce_scatter 2-D: {wrong(out.ravel(), want)}")
+
+
+@case
+def reduce_scatter_and_all_gather_take_ml_dtypes_and_torch_cpu():
+    try:
+        import ml_dtypes
+    except ImportError:
+        ml_dtypes = None
+        note("ml_dtypes not installed: bfloat16 NumPy arrays not tried in reduce_scatter")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        note("torch not installed: CPU tensors not tried in reduce_scatter/all_gather")
+    with arx.Comm(WORLD) as comm:
+        mine, want = rs_expected(3600, 300, "bfloat16", "sum")
+        if ml_dtypes is not None:
+            out = poison(300, "bfloat16").view(ml_dtypes.bfloat16)
+            comm.reduce_scatter(mine.view(ml_dtypes.bfloat16), out)
+            check(same_bits(out.view(np.uint16), want), "ml_dtypes reduce_scatter")
+        if torch is not None:
+            t = torch.from_numpy(mine.view(np.int16).copy()).view(torch.bfloat16)
+            o = torch.empty(300, dtype=torch.bfloat16)
+            comm.reduce_scatter(t, o)
+            check(same_bits(o.view(torch.int16).numpy().view(np.uint16), want), "torch cpu reduce_scatter")
+            parts = [ag_input(3601, 50, "float32", r) for r in range(SIZE)]
+            o = torch.empty(SIZE * 50, dtype=torch.float32)
+            comm.all_gather(torch.from_numpy(parts[RANK].copy()), o)
+            check(same_bits(o.numpy(), np.concatenate(parts)), "torch cpu all_gather")
+
+
+@case
+def reduce_scatter_and_all_gather_refuse_bad_arguments():
+    """Each bad call (the same on every rank) raises InvalidArgumentError
+    on every rank, naming what is wrong; a fresh Comm for each (a refused
+    call fails its Comm)."""
+    n = 16
+    big = np.zeros(SIZE * n + 8, np.float32)
+    ro = np.zeros(SIZE * n, np.float32)
+    ro.flags.writeable = False
+    bad = [
+        ("rs output length", lambda c: c.reduce_scatter(np.zeros(SIZE * n, np.float32), np.zeros(n + 1, np.float32)),
+         ("reduce_scatter", f"expected {SIZE} ranks x {n + 1}")),
+        ("rs in place not a multiple", lambda c: c.reduce_scatter(np.zeros(SIZE * n + 1, np.float32)),
+         ("not a multiple",)),
+        ("ag output length", lambda c: c.all_gather(np.zeros(n, np.float32), np.zeros(SIZE * n - 1, np.float32)),
+         ("all_gather", f"expected {SIZE} ranks x {n}")),
+        ("rs overlap elsewhere", lambda c: c.reduce_scatter(big[: SIZE * n], big[RANK * n + 1:RANK * n + 1 + n]),
+         ("in place", "overlaps")),
+        ("ag overlap elsewhere", lambda c: c.all_gather(big[RANK * n + 2:RANK * n + 2 + n], big[: SIZE * n]),
+         ("in place", "overlaps")),
+        ("rs read-only in place", lambda c: c.reduce_scatter(ro), ("read-only",)),
+        ("rs read-only input, its own block as out",
+         lambda c: c.reduce_scatter(ro, ro[RANK * n:(RANK + 1) * n]), ("read-only",)),
+        ("rs dtype pair", lambda c: c.reduce_scatter(np.zeros(SIZE * n, np.float32), np.zeros(n, np.float16)),
+         ("float32", "float16")),
+        ("rs op", lambda c: c.reduce_scatter(np.zeros(SIZE * n, np.float32), op="prod"), ("op='prod'",)),
+        ("ag float64", lambda c: c.all_gather(np.zeros(n), np.zeros(SIZE * n)), ("float64",)),
+    ]
+    for name, fn, words in bad:
+        with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: fn(comm), arx.InvalidArgumentError, contains=words, name=name)
+            check(dt < PROMPT, f"{name}: took {dt:.1f} s")
+            expect_error(lambda: comm.all_gather(np.zeros(n, np.float32), np.zeros(SIZE * n, np.float32)),
+                         arx.Error, name=f"{name}: the Comm stays failed")
+
+
+@case
+def reduce_scatter_misuse_on_some_ranks_fails_every_rank_at_once():
+    """out = the input's first block on every rank (an allreduce habit): in
+    place on rank 0, refused elsewhere, and rank 0 raises at once too. A
+    length differing on the last rank: every rank raises at once."""
+    n = 32
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        x = partial(3700, SIZE * n, "float32", RANK)
+        cls = arx.CallMismatchError if RANK == 0 else arx.InvalidArgumentError
+        e, dt = expect_error(lambda: comm.reduce_scatter(x, x[:n]), cls, name="out = first block")
+        check(dt < PROMPT, f"out = first block: took {dt:.1f} s")
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        m = n + (1 if RANK == SIZE - 1 else 0)
+        e, dt = expect_error(lambda: comm.all_gather(np.zeros(m, np.float32), np.zeros(SIZE * m, np.float32)),
+                             arx.CallMismatchError, name="all_gather length on the last rank")
+        check(dt < PROMPT, f"all_gather length on the last rank: took {dt:.1f} s")
+
+
+@case
+def reduce_scatter_and_all_gather_refuse_cuda_arrays():
+    for name, fn in (("reduce_scatter", lambda c: c.reduce_scatter(FakeCudaArray(shape=(8 * SIZE,)))),
+                     ("all_gather", lambda c: c.all_gather(FakeCudaArray(), FakeCudaArray(shape=(8 * SIZE,))))):
+        with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: fn(comm), arx.UnsupportedError,
+                                 contains=("GPU side of reduce_scatter/all_gather",), name=f"cuda {name}")
+            check(isinstance(e, NotImplementedError), f"cuda {name}: UnsupportedError is a NotImplementedError")
+            check(dt < PROMPT, f"cuda {name}: took {dt:.1f} s")
 
 
 if __name__ == "__main__":
