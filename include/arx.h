@@ -459,11 +459,9 @@ arxResult_t arxAllReduceHost(const void *sendbuff, void *recvbuff, size_t count,
  * every rank (elements `r·recvcount ..`) lands in rank `r`'s `recvbuff`
  * of `recvcount` elements, bit for bit block `r` of `arxAllReduce` of the
  * same inputs. In place when `recvbuff == sendbuff + rank × recvcount`.
- * The buffers are device memory, the call enqueued on `stream`, as
- * `arxAllReduce`'s; but this build has no GPU side of it: the call is
- * refused with `arxInvalidUsage` on this rank (after the checks of
- * arguments wrong on their face), on a comm of either side.
- * `arxReduceScatterHost` runs on host memory.
+ * The buffers are device memory, the call enqueued on `stream` (as
+ * `arxAllReduce`'s, graph-capturable); `arxReduceScatterHost` runs on
+ * host memory.
  *
  * # Safety
  * As `arxAllReduce`, for `N × recvcount` elements at `sendbuff` and
@@ -475,9 +473,8 @@ arxResult_t arxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvco
  * All-gather (NCCL's `ncclAllGather`): every rank's `sendbuff` of
  * `sendcount` elements, concatenated in rank order, lands in every rank's
  * `recvbuff` of `N × sendcount` elements. In place when `sendbuff ==
- * recvbuff + rank × sendcount`. Device memory on `stream`: as
- * `arxReduceScatter`, refused with `arxInvalidUsage` by this build;
- * `arxAllGatherHost` runs on host memory.
+ * recvbuff + rank × sendcount`. Device memory on `stream`, as
+ * `arxReduceScatter`; `arxAllGatherHost` runs on host memory.
  *
  * # Safety
  * As `arxAllReduce`, for `sendcount` elements at `sendbuff` and `N ×

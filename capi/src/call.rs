@@ -168,6 +168,36 @@ pub(crate) unsafe fn device(
     .map_err(Failure::from)
 }
 
+/// Enqueues a reduce-scatter or all-gather on device memory.
+///
+/// # Safety
+/// As `Arx::reduce_scatter_raw` / `all_gather_raw`: the buffers are device
+/// memory of the comm's context, sized as `b` says, and `stream` is live.
+pub(crate) unsafe fn device_blocks(
+    arx: &mut Arx,
+    b: &Blocks,
+    stream: cudaStream_t,
+) -> Result<(), Failure> {
+    // SAFETY: the caller's contract; the runtime's `cudaStream_t` and the
+    // driver's `CUstream` are the same handle.
+    unsafe {
+        match b.coll {
+            Coll::ReduceScatter => arx.reduce_scatter_raw(
+                b.send as u64,
+                b.recv as u64,
+                b.n,
+                b.dtype,
+                b.op,
+                stream.cast(),
+            ),
+            Coll::AllGather => {
+                arx.all_gather_raw(b.send as u64, b.recv as u64, b.n, b.dtype, stream.cast())
+            }
+        }
+    }
+    .map_err(Failure::from)
+}
+
 /// Which of NCCL's block collectives a call is.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Coll {

@@ -356,11 +356,9 @@ fn host_side(host_fn: &str) -> Failure {
 /// every rank (elements `r·recvcount ..`) lands in rank `r`'s `recvbuff`
 /// of `recvcount` elements, bit for bit block `r` of `arxAllReduce` of the
 /// same inputs. In place when `recvbuff == sendbuff + rank × recvcount`.
-/// The buffers are device memory, the call enqueued on `stream`, as
-/// `arxAllReduce`'s; but this build has no GPU side of it: the call is
-/// refused with `arxInvalidUsage` on this rank (after the checks of
-/// arguments wrong on their face), on a comm of either side.
-/// `arxReduceScatterHost` runs on host memory.
+/// The buffers are device memory, the call enqueued on `stream` (as
+/// `arxAllReduce`'s, graph-capturable); `arxReduceScatterHost` runs on
+/// host memory.
 ///
 /// # Safety
 /// As `arxAllReduce`, for `N × recvcount` elements at `sendbuff` and
@@ -377,16 +375,14 @@ pub unsafe extern "C" fn arxReduceScatter(
 ) -> RawResult {
     let f = |c: &arxComm, st: &mut comm::State| {
         let coll = call::Coll::ReduceScatter;
-        let _b = blocks_face(st, coll, sendbuff, recvbuff, recvcount, datatype, Some(op))?;
+        let mut b = blocks_face(st, coll, sendbuff, recvbuff, recvcount, datatype, Some(op))?;
         if !c.gpu() {
             return Err(host_side("arxReduceScatterHost"));
         }
-        let _ = stream;
-        // GPU: wire Arx::reduce_scatter_raw / all_gather_raw here (after
-        // `blocks_layout`, as arxReduceScatterHost does; the layout is not
-        // checked before then: a refusal told to the peers would meet no
-        // call of theirs while every rank refuses here).
-        Err(gpu_missing())
+        blocks_layout(st, &mut b)?;
+        // SAFETY: the buffers and the stream are the caller's contract;
+        // sized and laid out as checked.
+        unsafe { call::device_blocks(&mut st.arx, &b, stream) }
     };
     // SAFETY: `comm` is NULL or live (the caller's contract).
     unsafe { comm::with_comm("arxReduceScatter", comm, f) }
@@ -395,9 +391,8 @@ pub unsafe extern "C" fn arxReduceScatter(
 /// All-gather (NCCL's `ncclAllGather`): every rank's `sendbuff` of
 /// `sendcount` elements, concatenated in rank order, lands in every rank's
 /// `recvbuff` of `N × sendcount` elements. In place when `sendbuff ==
-/// recvbuff + rank × sendcount`. Device memory on `stream`: as
-/// `arxReduceScatter`, refused with `arxInvalidUsage` by this build;
-/// `arxAllGatherHost` runs on host memory.
+/// recvbuff + rank × sendcount`. Device memory on `stream`, as
+/// `arxReduceScatter`; `arxAllGatherHost` runs on host memory.
 ///
 /// # Safety
 /// As `arxAllReduce`, for `sendcount` elements at `sendbuff` and `N ×
@@ -413,27 +408,16 @@ pub unsafe extern "C" fn arxAllGather(
 ) -> RawResult {
     let f = |c: &arxComm, st: &mut comm::State| {
         let coll = call::Coll::AllGather;
-        let _b = blocks_face(st, coll, sendbuff, recvbuff, sendcount, datatype, None)?;
+        let mut b = blocks_face(st, coll, sendbuff, recvbuff, sendcount, datatype, None)?;
         if !c.gpu() {
             return Err(host_side("arxAllGatherHost"));
         }
-        let _ = stream;
-        // GPU: wire Arx::reduce_scatter_raw / all_gather_raw here (after
-        // `blocks_layout`, as in arxReduceScatter).
-        Err(gpu_missing())
+        blocks_layout(st, &mut b)?;
+        // SAFETY: as in arxReduceScatter.
+        unsafe { call::device_blocks(&mut st.arx, &b, stream) }
     };
     // SAFETY: `comm` is NULL or live (the caller's contract).
     unsafe { comm::with_comm("arxAllGather", comm, f) }
-}
-
-/// Until the GPU side of reduce_scatter/all_gather is wired in: refused on
-/// this rank (every rank of a GPU comm refuses alike; the comm stays
-/// usable).
-fn gpu_missing() -> Failure {
-    Failure::usage(
-        "the GPU side of reduce_scatter/all_gather is not in this build: \
-         use arxReduceScatterHost / arxAllGatherHost on host memory",
-    )
 }
 
 /// `arxReduceScatter` on host memory; returns when `recvbuff` holds the

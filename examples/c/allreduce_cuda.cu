@@ -197,6 +197,50 @@ int main(int argc, char **argv) {
         check_result(REF_BF16, b.hrecv, b.expect, count, "host call on a GPU comm");
     }
 
+    /* Reduce-scatter and all-gather on device memory, every type, out of
+     * place and in place (NCCL's placement), chunked at the largest n. */
+    for (int t = REF_F32; t < REF_TYPES; t++) {
+        const size_t ns[] = {1, 1000, b.cap / ref_size(t) / (size_t)world};
+        for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+            size_t n = ns[k], es = ref_size(t), all = n * (size_t)world;
+            unsigned char *tmp = (unsigned char *)malloc(all * es);
+            for (int in_place = 0; in_place < 2; in_place++) {
+                char what[96];
+                snprintf(what, sizeof what, "reduce_scatter %s x %zu per rank %s", ref_type_name[t], n,
+                         in_place ? "in place" : "out of place");
+                ref_fill(t, call++, rank, world, all, b.hsend, b.expect);
+                CUDA(cudaMemcpyAsync(b.dsend, b.hsend, all * es, cudaMemcpyHostToDevice, b.s));
+                void *out = in_place ? (void *)((char *)b.dsend + (size_t)rank * n * es) : b.drecv;
+                if (!in_place) CUDA(cudaMemsetAsync(b.drecv, REF_POISON, n * es, b.s));
+                r = arxReduceScatter(b.dsend, out, n, (arxDataType_t)t, arxSum, comm, b.s);
+                CHECK(r == arxSuccess, "%s: %s", what, arxGetLastError(comm));
+                memset(b.hrecv, REF_POISON, n * es);
+                CUDA(cudaMemcpyAsync(b.hrecv, out, n * es, cudaMemcpyDeviceToHost, b.s));
+                CUDA(cudaStreamSynchronize(b.s));
+                size_t first, wrong = ref_wrong(t, b.hrecv, b.expect + (size_t)rank * n * es, n, &first);
+                CHECK(wrong == 0, "%s: %zu wrong, first at %zu", what, wrong, first);
+
+                snprintf(what, sizeof what, "all_gather %s x %zu per rank %s", ref_type_name[t], n,
+                         in_place ? "in place" : "out of place");
+                uint64_t c = call++;
+                for (int q = 0; q < world; q++)
+                    ref_fill(t, c, q, world, n, tmp + (size_t)q * n * es, b.expect);
+                unsigned char *mine = tmp + (size_t)rank * n * es;
+                CUDA(cudaMemsetAsync(b.drecv, REF_POISON, all * es, b.s));
+                void *in = b.dsend;
+                if (in_place) in = (char *)b.drecv + (size_t)rank * n * es;
+                CUDA(cudaMemcpyAsync(in, mine, n * es, cudaMemcpyHostToDevice, b.s));
+                r = arxAllGather(in, b.drecv, n, (arxDataType_t)t, comm, b.s);
+                CHECK(r == arxSuccess, "%s: %s", what, arxGetLastError(comm));
+                memset(b.hrecv, REF_POISON, all * es);
+                CUDA(cudaMemcpyAsync(b.hrecv, b.drecv, all * es, cudaMemcpyDeviceToHost, b.s));
+                CUDA(cudaStreamSynchronize(b.s));
+                CHECK(memcmp(b.hrecv, tmp, all * es) == 0, "%s: not every rank's bits", what);
+            }
+            free(tmp);
+        }
+    }
+
     /* Graphs, replayed many times with new inputs. */
     graph(comm, &b, REF_BF16, 4096, 0, 500, cudaStreamCaptureModeGlobal, &call);
     graph(comm, &b, REF_F16, 1000, 1, 300, cudaStreamCaptureModeThreadLocal, &call);
