@@ -338,7 +338,7 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     let gpu = arx.cuda_context().is_some();
     if gpu && coll != Coll::AllReduce {
         return Err(format!(
-            "-C {}: not measured on a GPU instance yet (the GPU side of reduce_scatter / all_gather is not in arx yet); run a host instance (ARX_DEVICE=host)",
+            "-C {}: not measured on a GPU instance yet (allreduce_perf times the host side of reduce_scatter / all_gather only); run a host instance (ARX_DEVICE=host)",
             coll.name()
         ));
     }
@@ -626,7 +626,7 @@ fn run_host(
                 a.name(),
                 if a == arx::Algo::Auto {
                     format!(
-                        " (two-shot from {} B at 3 ranks or more; here {})",
+                        " (host side: two-shot from {} B at 3 ranks or more; here {})",
                         arx::TWOSHOT_FROM_BYTES,
                         if n >= 3 { "by size" } else { "one-shot" }
                     )
@@ -674,7 +674,7 @@ fn run_host(
                         c,
                         vec![
                             ("algo", J::s(algo.name())),
-                            ("algo_run", J::s(algo.choose(n, size).name())),
+                            ("algo_run", J::s(algo.choose(n, size, false).name())),
                         ],
                     );
                 }

@@ -58,17 +58,35 @@ pub enum Algo {
     TwoShot,
 }
 
-/// Below this many bytes per call the automatic choice is one-shot
-/// (at 3 ranks or more; at 2 ranks two-shot moves as many bytes as
-/// one-shot in two round trips, so it is never chosen). Measured with
-/// `allreduce_perf -A` (docs/BENCHMARKS.md, "One-shot vs two-shot").
-pub const TWOSHOT_FROM_BYTES: usize = 64 << 10;
+/// On the host device side, from this many bytes per call the automatic
+/// choice is two-shot (at 3 ranks or more; at 2 ranks two-shot moves as
+/// many bytes as one-shot in two round trips, so it is never chosen).
+/// Measured with `allreduce_perf -A all` on 16 cores, Host+Shm
+/// (docs/BENCHMARKS.md, "One-shot vs two-shot"): two-shot was faster at
+/// every size from 8 KiB (the smallest measured) to 4 MiB at 3, 4 and 8
+/// ranks in bf16 and float, but for 3 ranks float at 8 KiB (equal, 0.99×)
+/// — the CPU's sum of N partials, which two-shot cuts to one shard,
+/// dominates there. Below 8 KiB is not measured: one-shot's single round
+/// trip is kept. The GPU device side's automatic choice is one-shot at
+/// every size (see [`Algo::choose`]).
+pub const TWOSHOT_FROM_BYTES: usize = 8 << 10;
 
 impl Algo {
-    /// The algorithm a call of `bytes` bytes over `world` ranks runs.
-    pub fn choose(self, world: usize, bytes: usize) -> Algo {
+    /// The algorithm a call of `bytes` bytes over `world` ranks runs on the
+    /// host device side (`gpu` false) or the GPU device side (`gpu` true;
+    /// host calls on a GPU instance follow the GPU rule, so that every rank
+    /// of an instance decides alike whichever kind of call it makes).
+    ///
+    /// Automatic: on the host side two-shot from 3 ranks and
+    /// [`TWOSHOT_FROM_BYTES`]; on the GPU side one-shot always — measured
+    /// on one H200 with 3 and 4 ranks under MPS (docs/BENCHMARKS.md),
+    /// two-shot was slower or equal at every size from 8 KiB to 128 KiB
+    /// (its second round trip costs more than the bytes it saves), and the
+    /// GB10 model (docs/GB10.md) puts the break-even above 128 KiB; the
+    /// threshold waits for measurements on Sparks.
+    pub fn choose(self, world: usize, bytes: usize, gpu: bool) -> Algo {
         match self {
-            Algo::Auto if world >= 3 && bytes >= TWOSHOT_FROM_BYTES => Algo::TwoShot,
+            Algo::Auto if !gpu && world >= 3 && bytes >= TWOSHOT_FROM_BYTES => Algo::TwoShot,
             Algo::Auto => Algo::OneShot,
             fixed => fixed,
         }

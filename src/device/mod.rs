@@ -202,20 +202,24 @@ impl Device {
     /// [`crate::Algo::choose`]); the first automatic choice of each kind
     /// is logged.
     pub(crate) fn algo(&self, bytes: usize) -> crate::Algo {
-        let a = self.cfg.algo.choose(self.layout.world(), bytes);
+        let gpu = matches!(self.side, Side::Gpu(_));
+        let a = self.cfg.algo.choose(self.layout.world(), bytes, gpu);
         if self.cfg.algo == crate::Algo::Auto {
             static LOGGED: [std::sync::Once; 2] = [std::sync::Once::new(), std::sync::Once::new()];
             LOGGED[usize::from(a == crate::Algo::TwoShot)].call_once(|| {
                 log::info!(
-                    "arx: all-reduce algorithm (ARX_ALGO=auto, {} ranks): {} for calls {} {} bytes",
+                    "arx: all-reduce algorithm (ARX_ALGO=auto, {} ranks, {} side): {} for a call of {bytes} bytes{}",
                     self.layout.world(),
+                    if gpu { "GPU" } else { "host" },
                     a.name(),
-                    if a == crate::Algo::TwoShot {
-                        "of at least"
+                    if gpu {
+                        String::from(" (one-shot at every size on the GPU side)")
                     } else {
-                        "below"
-                    },
-                    crate::config::TWOSHOT_FROM_BYTES
+                        format!(
+                            " (two-shot from 3 ranks and {} bytes)",
+                            crate::config::TWOSHOT_FROM_BYTES
+                        )
+                    }
                 )
             });
         }
