@@ -116,3 +116,22 @@ fn own_wait(flag: u64) -> String {
         if flag >> 63 != 0 { "was" } else { "was not" }
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::own_wait;
+
+    #[test]
+    fn own_wait_decodes_the_kernels_fields() {
+        assert_eq!(own_wait(0), "");
+        // Counter 3 of 11, ready_seq ...1235, poller ...1236, polling
+        // (kernels/oneshot.cuh, wait_peers).
+        let f = 3 | (11 << 16) | (0x1235u64 << 32) | (0x1236u64 << 48) | (1u64 << 63);
+        let s = own_wait(f);
+        assert!(s.contains("own counter at 3 of 11"), "{s}");
+        assert!(s.contains("ready_seq ...1235"), "{s}");
+        assert!(s.contains("poller ...1236"), "{s}");
+        assert!(s.contains("and was polling"), "{s}");
+        assert!(own_wait(f & !(1u64 << 63)).contains("was not polling"));
+    }
+}
