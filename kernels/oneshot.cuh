@@ -202,8 +202,19 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
                     }
                 }
                 __syncthreads();
-                /* No flag missing: our own part did not get out. */
-                if (tid == 0) arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, 0);
+                /* No flag missing: our own part did not get out. The flag
+                 * field carries what this block saw (src/device/status.rs
+                 * prints it): the own counter and its target, ready_seq,
+                 * the poller word (low 16 bits each), whether this block
+                 * polled. */
+                if (tid == 0) {
+                    const u64 diag = (u64)(ld_acquire_gpu_u32(own_done) & 0xFFFFu) |
+                                     ((u64)(own_target & 0xFFFFu) << 16) |
+                                     ((u64)(ld_acquire_gpu_u32(&st->ready_seq) & 0xFFFFu) << 32) |
+                                     ((u64)(ld_relaxed_gpu_u32(&st->poller) & 0x7FFFu) << 48) |
+                                     ((u64)(poller ? 1u : 0u) << 63);
+                    arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, diag);
+                }
             }
             if (why != 0) failed = true;
             break;

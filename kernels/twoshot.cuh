@@ -8,7 +8,9 @@
  *             input; reduce_scatter: block q of the N·n input), or only this
  *             rank's shard (all_gather); a system fence; the block that
  *             finishes the last staging chunk publishes call seq (pattern
- *             SCATTER, or GATHER for all_gather);
+ *             SCATTER, or GATHER for all_gather), then counts `staged` once
+ *             more, so that nothing waiting for `staged` (hence no gather
+ *             publish) runs before ctrl.seq = seq is stored;
  *   reduce    (two-shot, reduce_scatter) wait for every peer's flags of
  *             seq; reduce ONLY this rank's shard in rank order with the
  *             one-shot kernel's reduce_span (fp32 accumulator, one
@@ -122,6 +124,9 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     const u32 ngu = (count + unit - 1) / unit;
     const u32 ngc = (ngu + per_chunk - 1) / per_chunk;
     const u32 ngath = ngc > 0 ? ngc : 1u;
+    /* `staged` once every staging chunk is counted and call seq published
+     * (the publishing block adds one more after its release store). */
+    const u32 published = nstage + 1u;
 
     bool failed = block_status(st, &s_ticket) != 0;
 
@@ -159,6 +164,15 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
                     st_relaxed_sys_u64(&ctrl->meta[par], flag1);
                     st_relaxed_sys_u64(&ctrl->bytes[par], (u64)count * sizeof(S));
                     st_release_sys_u64(&ctrl->seq, seq);
+                    /* Counted once more only once call seq is out: a
+                     * two-shot's gather call is published by another
+                     * block, which must come after this store (else
+                     * ctrl.seq goes back from seq + 1 to seq and the proxy
+                     * never posts the gather step, or it reads meta[par]
+                     * before this block wrote it). The reduce waits for
+                     * this count; the release above orders the stores
+                     * before it. */
+                    atom_add_acq_rel_gpu(&st->staged, 1u);
                 }
             }
         }
@@ -172,7 +186,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
             u32 c = block_ticket(&st->sum_next, &s_ticket);
             if (c >= nred) break;
             if (!ready) {
-                failed = wait_peers(p, ctrl, st, seq, flag1, &st->staged, nstage, &s_poll,
+                failed = wait_peers(p, ctrl, st, seq, flag1, &st->staged, published, &s_poll,
                                     &s_status);
                 if (failed) break;
                 ready = true;
@@ -211,7 +225,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
         /* Our own gather call is out: a two-shot's once every reduce chunk
          * is counted, an all_gather's once staged. */
         const u32 *own_done = two ? &st->reduced : &st->staged;
-        const u32 own_target = two ? nred : nstage;
+        const u32 own_target = two ? nred : published;
         bool ready = false;
         while (!failed) {
             u32 c = block_ticket(&st->gather_next, &s_ticket);

@@ -66,8 +66,9 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
                     detail: format!(
                         "rank {me}, call {seq}: its own proxy reports sends complete only up to call {} \
                          (or the staging did not finish); the local NIC has not completed them \
-                         (are the peers' NICs acknowledging?)",
-                        protocol::sent_through(region)
+                         (are the peers' NICs acknowledging?){}",
+                        protocol::sent_through(region),
+                        own_wait(flag)
                     ),
                 }
             } else {
@@ -94,4 +95,43 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
             detail: format!("rank {me}: unknown status {other} in the control block"),
         },
     })
+}
+
+/// What a GPU block waiting for its own part saw at the deadline
+/// (`kernels/oneshot.cuh`, `wait_peers`: the flag field of an own-part
+/// failure; 0 from the host side and the copy-engine wait, which say
+/// nothing more).
+fn own_wait(flag: u64) -> String {
+    if flag == 0 {
+        return String::new();
+    }
+    let f = |shift: u32| (flag >> shift) & 0xFFFF;
+    format!(
+        "; the waiting GPU block saw its own counter at {} of {}, ready_seq ...{:04x}, \
+         poller ...{:04x} (low 16 bits of the calls), and {} polling",
+        f(0),
+        f(16),
+        f(32),
+        f(48) & 0x7FFF,
+        if flag >> 63 != 0 { "was" } else { "was not" }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_wait;
+
+    #[test]
+    fn own_wait_decodes_the_kernels_fields() {
+        assert_eq!(own_wait(0), "");
+        // Counter 3 of 11, ready_seq ...1235, poller ...1236, polling
+        // (kernels/oneshot.cuh, wait_peers).
+        let f = 3 | (11 << 16) | (0x1235u64 << 32) | (0x1236u64 << 48) | (1u64 << 63);
+        let s = own_wait(f);
+        assert!(s.contains("own counter at 3 of 11"), "{s}");
+        assert!(s.contains("ready_seq ...1235"), "{s}");
+        assert!(s.contains("poller ...1236"), "{s}");
+        assert!(s.contains("and was polling"), "{s}");
+        assert!(own_wait(f & !(1u64 << 63)).contains("was not polling"));
+    }
 }

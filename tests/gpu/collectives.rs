@@ -424,3 +424,68 @@ pub(super) fn algo_mismatch(ctx: &Ctx, st: Staging) -> R {
     ));
     Ok(())
 }
+
+/// Two-shot under sustained load, the shape that stalled in
+/// `allreduce_perf -A twoshot -G 10` (3 and 4 ranks under MPS): ten
+/// calls of one size captured into one graph, replayed back to back with
+/// no host work in between, every output checked after each batch. Sizes
+/// 256 KB and 128 KB of bf16 (one chunk of the default slot: the gather
+/// step published by another block than the scatter step); quick: fewer
+/// replays. Bounded: 20000 calls in all at full length (a few seconds).
+pub(super) fn twoshot_sustained(ctx: &Ctx, st: Staging) -> R {
+    const CALLS: usize = 10;
+    let (batches, per_batch) = if ctx.quick { (2, 20) } else { (10, 100) };
+    let (mut arx, s) = build_opts(ctx, st, Duration::from_secs(10), None, Some(Algo::TwoShot))?;
+    let mut total = 0usize;
+    for (k, count) in [131072usize, 65536].into_iter().enumerate() {
+        let first = 0x6100_0000 + ((k as u64) << 16);
+        let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..CALLS as u64)
+            .map(|i| wide_data::<bf16>(ctx, first + i, count))
+            .collect();
+        let ins: Vec<CudaSlice<bf16>> = data.iter().map(|(x, _)| up(&s, x)).collect::<R<_>>()?;
+        let mut outs: Vec<CudaSlice<bf16>> = (0..CALLS)
+            .map(|_| poisoned::<bf16>(&s, count))
+            .collect::<R<_>>()?;
+        s.synchronize().map_err(e("sync"))?;
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(e("begin_capture"))?;
+        let r: R = ins
+            .iter()
+            .zip(outs.iter_mut())
+            .try_for_each(|(i, o)| arx.allreduce(i, o, &s).map_err(e("allreduce")));
+        let g = s
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(e("end_capture"))?;
+        r.map_err(|x| format!("under capture: {x}"))?;
+        let g = g.ok_or("empty graph")?;
+        for b in 0..batches {
+            for o in outs.iter_mut() {
+                poison_dev(&s, o)?;
+            }
+            for _ in 0..per_batch {
+                g.launch().map_err(e("graph launch"))?;
+            }
+            s.synchronize().map_err(e("sync"))?;
+            arx.check().map_err(|x| {
+                format!("{count} x bf16, batch {b} of {per_batch} replays of {CALLS} calls: {x}")
+            })?;
+            for (c, (o, (_, want))) in outs.iter().zip(&data).enumerate() {
+                let got = down(&s, o)?;
+                compare(
+                    &format!("{count} x bf16, batch {b}, call {c} of the graph"),
+                    &got,
+                    want,
+                )?;
+                if b + 1 == batches {
+                    ctx.fold(&got);
+                }
+            }
+            total += per_batch * CALLS;
+        }
+        drop(g);
+    }
+    ctx.say(format!(
+        "{total} two-shot calls (256 KB and 128 KB bf16) in graphs of {CALLS}, replayed back to back"
+    ));
+    Ok(())
+}

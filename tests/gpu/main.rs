@@ -315,6 +315,10 @@ fn child() -> ExitCode {
             twoshot_vs_oneshot,
         ),
         (
+            "two-shot: graphs of 10 calls at 256 and 128 KB replayed back to back",
+            twoshot_sustained,
+        ),
+        (
             "reduce_scatter and all_gather: every dtype, length, placement",
             collectives_eager,
         ),
