@@ -58,10 +58,7 @@ fn main() -> ExitCode {
 
 /// Named sets of cases for rank counts written `N:SET` in
 /// `ARX_TEST_RANKS`, as `ARX_TEST_CASES` words.
-const SETS: &[(&str, &str)] = &[(
-    "wide",
-    "a few lengths,^in place,another length",
-)];
+const SETS: &[(&str, &str)] = &[("wide", "a few lengths,^in place,another length")];
 
 /// `ARX_TEST_RANKS`: "2,3,16:wide" -> [(2, None), (3, None), (16, Some(words))].
 fn rank_counts(spec: &str) -> Result<Vec<(usize, Option<&'static str>)>, String> {
