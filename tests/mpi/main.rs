@@ -58,6 +58,13 @@ fn main() -> ExitCode {
 
 /// Named sets of cases for rank counts written `N:SET` in
 /// `ARX_TEST_RANKS`, as `ARX_TEST_CASES` words.
+///
+/// `wide` at 16 ranks on CI's 2 cores took 14-17 s (debug build): the
+/// reference sums of the longest calls (each rank adds 16 seeded inputs)
+/// make ranks arrive seconds apart, so arx's watchdog warns ("has waited
+/// 2 s") there; calls themselves take about 3 ms at 16 ranks on 2 cores
+/// (release `allreduce_perf --median`), the yield-then-nap backoff of
+/// `src/spin.rs` letting the rank that is late run.
 const SETS: &[(&str, &str)] = &[("wide", "a few lengths,^in place,another length")];
 
 /// `ARX_TEST_RANKS`: "2,3,16:wide" -> [(2, None), (3, None), (16, Some(words))].
