@@ -381,3 +381,45 @@ fn an_anonymous_region_is_whole_pages_of_the_kernels_page() {
     let r = Region::anonymous(l.region_bytes()).unwrap();
     r.check_pages("ibv_reg_mr").unwrap();
 }
+
+/// The memory each rank maps and registers (its region), as README.md
+/// ("Requirements") states it: with the default 1 MiB slot, two pages
+/// (control block; flags and probe words) and 2 x (world + 1) slots, while
+/// the flags and probe words (40 bytes a rank) fit one page: up to 102
+/// ranks on 4 KiB pages, every world on 64 KiB pages.
+#[test]
+fn memory_per_rank_at_the_default_slot() {
+    const MIB: usize = 1 << 20;
+    let slot = crate::config::DEFAULT_SLOT_BYTES;
+    assert_eq!(slot, MIB);
+    // (world, bytes per rank on 4 KiB pages), as README.md lists them.
+    for (world, per_rank) in [
+        (2, 6 * MIB + 8192),
+        (4, 10 * MIB + 8192),
+        (8, 18 * MIB + 8192),
+        (16, 34 * MIB + 8192),
+    ] {
+        let l = Layout::with_page(world, world - 1, slot, 4096).unwrap();
+        assert_eq!(l.region_bytes(), per_rank, "{world} ranks");
+        let l = Layout::with_page(world, 0, slot, 65536).unwrap();
+        assert_eq!(
+            l.region_bytes(),
+            2 * 65536 + 2 * (world + 1) * MIB,
+            "{world} ranks, 64 KiB pages"
+        );
+    }
+    // The formula for every world: one page of control block, the flags
+    // and probe words rounded up to pages, then the slots.
+    for page in [4096, 65536] {
+        for world in 1..=abi::ARX_MAX_WORLD as usize {
+            let l = Layout::with_page(world, 0, slot, page).unwrap();
+            let flag_pages = (40 * world).div_ceil(page);
+            assert_eq!(
+                l.region_bytes(),
+                (1 + flag_pages) * page + 2 * (world + 1) * slot,
+                "{world} ranks, {page} B pages"
+            );
+            assert_eq!(flag_pages == 1, page == 65536 || world <= 102);
+        }
+    }
+}

@@ -15,7 +15,17 @@
 //! that bound: a case with a short call timeout starts with the default
 //! start-up timeout, so that a slow machine (CI's VM) does not decide it.
 //! `ARX_TEST_CASES=word,word` runs only the cases whose names contain one of
-//! the words (each case not run is listed as NOT RUN).
+//! the words, or start with it when the word starts with `^` (each case not
+//! run is listed as NOT RUN; a word that names no case fails the run, so a
+//! renamed case cannot silently drop out of a script's set).
+//!
+//! A rank count `N:SET` in `ARX_TEST_RANKS` runs N ranks with only the
+//! cases of the named set (below, `SETS`; and of `ARX_TEST_CASES` if set
+//! too). The default is `2,3,4,8,16:wide`: every case at 2, 3, 4 and 8
+//! ranks, and at 16 ranks (oversubscribed) the set `wide`: every dtype bit
+//! for bit at a few lengths, in place, and a call with another length on
+//! one rank, so that the layout, the flags and the waits are checked at a
+//! world of 16 without running every case there.
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -50,12 +60,59 @@ fn main() -> ExitCode {
 
 // ------------------------------------------------------------------ parent
 
+/// Named sets of cases for rank counts written `N:SET` in
+/// `ARX_TEST_RANKS`, as `ARX_TEST_CASES` words.
+///
+/// `wide` at 16 ranks on CI's 2 cores took 14-17 s (debug build): the
+/// reference sums of the longest calls (each rank adds 16 seeded inputs)
+/// make ranks arrive seconds apart, so arx's watchdog warns ("has waited
+/// 2 s") there; calls themselves take about 3 ms at 16 ranks on 2 cores
+/// (release `allreduce_perf --median`), the yield-then-nap backoff of
+/// `src/spin.rs` letting the rank that is late run.
+const SETS: &[(&str, &str)] = &[("wide", "a few lengths,^in place,another length")];
+
+/// `ARX_TEST_RANKS`: "2,3,16:wide" -> [(2, None), (3, None), (16, Some(words))].
+fn rank_counts(spec: &str) -> Result<Vec<(usize, Option<&'static str>)>, String> {
+    let mut out = Vec::new();
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (n, set) = match item.split_once(':') {
+            Some((n, set)) => (n, Some(set.trim())),
+            None => (item, None),
+        };
+        let n: usize = n
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("ARX_TEST_RANKS: '{item}' is not a rank count"))?;
+        let words = match set {
+            None => None,
+            Some(set) => Some(
+                SETS.iter()
+                    .find(|(name, _)| *name == set)
+                    .map(|(_, words)| *words)
+                    .ok_or_else(|| {
+                        format!(
+                            "ARX_TEST_RANKS: no set '{set}' (sets: {:?})",
+                            SETS.iter().map(|s| s.0).collect::<Vec<_>>()
+                        )
+                    })?,
+            ),
+        };
+        out.push((n, words));
+    }
+    Ok(out)
+}
+
 fn parent() -> ExitCode {
-    let ranks: Vec<usize> = std::env::var("ARX_TEST_RANKS")
-        .unwrap_or_else(|_| "2,3,4,8".into())
-        .split(',')
-        .filter_map(|s| s.trim().parse().ok())
-        .collect();
+    let spec = std::env::var("ARX_TEST_RANKS").unwrap_or_else(|_| "2,3,4,8,16:wide".into());
+    let ranks = match rank_counts(&spec) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("mpi test: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let limit = Duration::from_secs(
         std::env::var("ARX_TEST_RUN_SECS")
             .ok()
@@ -64,9 +121,12 @@ fn parent() -> ExitCode {
     );
     let exe = std::env::current_exe().expect("the test binary knows its path");
     let mut failed = Vec::new();
-    for &n in &ranks {
+    for &(n, set) in &ranks {
         let start = Instant::now();
-        println!("mpi test: {n} ranks ...");
+        match set {
+            Some(words) => println!("mpi test: {n} ranks, cases: {words} ..."),
+            None => println!("mpi test: {n} ranks ..."),
+        }
         let mut cmd = Command::new("mpirun");
         cmd.args(["-n", &n.to_string(), "--oversubscribe"]);
         // SAFETY-free check of root: mpirun refuses root without this flag.
@@ -78,6 +138,9 @@ fn parent() -> ExitCode {
         cmd.arg(&exe)
             .env("ARX_TEST_CHILD", "1")
             .stdin(Stdio::null());
+        if let Some(words) = set {
+            cmd.env("ARX_TEST_SET_CASES", words);
+        }
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -115,7 +178,7 @@ fn parent() -> ExitCode {
         }
     }
     if failed.is_empty() {
-        println!("mpi test: all rank counts passed: {ranks:?}");
+        println!("mpi test: all rank counts passed: {spec}");
         ExitCode::SUCCESS
     } else {
         println!("mpi test: failed for rank counts {failed:?}");
@@ -149,6 +212,7 @@ fn child() -> ExitCode {
     };
     let cases: &[(&str, Case)] = &[
         ("every dtype and length, bit for bit", correctness),
+        ("every dtype at a few lengths, bit for bit", few_lengths),
         ("in place", in_place),
         (
             "edge values: -0.0, NaN, Inf, subnormals, overflow",
@@ -216,22 +280,32 @@ fn child() -> ExitCode {
         ("one rank never arrives at start-up", bootstrap_timeout),
     ];
     // ARX_TEST_CASES=word,word runs only the cases whose names contain one
-    // of the words (for working on one case; the full run sets nothing).
-    let only: Option<Vec<String>> = std::env::var("ARX_TEST_CASES")
-        .ok()
-        .map(|s| s.split(',').map(|w| w.trim().to_string()).collect());
+    // of the words (for working on one case, and the scripts' named sets;
+    // the full run sets nothing); ARX_TEST_SET_CASES (from the parent, for
+    // a rank count `N:SET`) narrows it further.
+    let names: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    let mut filters = Vec::new();
+    for var in ["ARX_TEST_CASES", "ARX_TEST_SET_CASES"] {
+        // Empty: no filter (scripts pass their set's words, empty for all).
+        if let Some(v) = std::env::var(var).ok().filter(|v| !v.trim().is_empty()) {
+            match case_filter(&v, &names) {
+                Ok(words) => filters.push((var, words)),
+                Err(e) => {
+                    if ctx.rank == 0 {
+                        eprintln!("mpi test: {var}: {e}");
+                    }
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    }
     let mut all_ok = true;
     for (name, case) in cases {
-        if let Some(words) = &only {
-            if !words.iter().any(|w| name.contains(w.as_str())) {
-                if ctx.rank == 0 {
-                    println!(
-                        "  [{} ranks] {name}: NOT RUN (filtered by ARX_TEST_CASES)",
-                        ctx.n
-                    );
-                }
-                continue;
+        if let Some((var, _)) = filters.iter().find(|(_, w)| !selects(w, name)) {
+            if ctx.rank == 0 {
+                println!("  [{} ranks] {name}: NOT RUN (filtered by {var})", ctx.n);
             }
+            continue;
         }
         let t = Instant::now();
         let local = case(&ctx);
@@ -264,6 +338,34 @@ fn child() -> ExitCode {
     } else {
         ExitCode::FAILURE
     }
+}
+
+/// The words of a case filter; every word must select some case, so that a
+/// renamed case fails a script's set instead of silently not running.
+fn case_filter(spec: &str, names: &[&str]) -> Result<Vec<String>, String> {
+    let words: Vec<String> = spec
+        .split(',')
+        .map(|w| w.trim().to_string())
+        .filter(|w| !w.is_empty())
+        .collect();
+    if words.is_empty() {
+        return Err(format!("'{spec}' names no case"));
+    }
+    for w in &words {
+        if !names.iter().any(|n| selects(std::slice::from_ref(w), n)) {
+            return Err(format!("'{w}' matches no case name"));
+        }
+    }
+    Ok(words)
+}
+
+/// A word selects a case whose name contains it, or, written `^word`,
+/// whose name starts with it.
+fn selects(words: &[String], name: &str) -> bool {
+    words.iter().any(|w| match w.strip_prefix('^') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name.contains(w.as_str()),
+    })
 }
 
 fn builder() -> arx::Builder {
@@ -380,6 +482,24 @@ fn correctness(ctx: &Ctx) -> Result<(), String> {
         checked::<f32>(ctx, &mut arx, call, count, false)?;
     }
     Ok(())
+}
+
+/// Every dtype at the shortest, odd, lane-splitting and longest lengths
+/// (the `wide` set: a 16-rank world checks the layout and flags with it
+/// without `correctness`'s 60 calls).
+fn few_lengths(ctx: &Ctx) -> Result<(), String> {
+    fn of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Result<(), String> {
+        for count in [1, 3, 17, 1000, 4097, arx.max_count::<T>()] {
+            *call += 1;
+            checked::<T>(ctx, arx, *call, count, false)?;
+        }
+        Ok(())
+    }
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let mut call = 700;
+    of::<bf16>(ctx, &mut arx, &mut call)?;
+    of::<f16>(ctx, &mut arx, &mut call)?;
+    of::<f32>(ctx, &mut arx, &mut call)
 }
 
 fn in_place(ctx: &Ctx) -> Result<(), String> {
