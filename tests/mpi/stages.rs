@@ -19,7 +19,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub(crate) fn stage_trace(ctx: &Ctx) -> Result<(), String> {
     const CALLS: u64 = 40;
     let count = 4096; // 16 KiB of f32: one slot of builder()'s 64 KiB
-    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    // The trace records one-shot calls (a two-shot call has two rounds).
+    let mut arx = builder()
+        .algo(arx::Algo::OneShot)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
     let mut first: Option<String> = None;
     let mut fail = |e: String| {
         first.get_or_insert(e);
