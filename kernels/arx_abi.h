@@ -207,9 +207,13 @@ typedef struct arx_gpu_state {
     /* Bound on one call's waits, in nanoseconds of %globaltimer. */
     uint64_t timeout_ns;
     /* Low 32 bits of the seq whose flags one block has taken on polling
-     * (the others watch ready_seq in device memory instead of PCIe). */
-    uint32_t poller;
-    uint32_t pad;
+     * (the others watch ready_seq in device memory instead of PCIe), one
+     * word per call parity: a two-shot launch waits for two calls (seq and
+     * seq + 1, of both parities) at once, and one shared word lets a block
+     * electing itself for one call make every block of the other call lose
+     * its election, leaving that call with no poller (kernels/oneshot.cuh,
+     * wait_peers). Within a launch each word serves one call only. */
+    uint32_t poller[2];
     /* Two-shot, reduce_scatter, all_gather (kernels/twoshot.cuh): reduce
      * chunks finished (the block that finishes the last one publishes a
      * two-shot's gather step), gather chunks handed out. */

@@ -90,7 +90,8 @@ __device__ __forceinline__ void acc_op(u32 op, float *acc, vec4 v) {
  * watches the clock, the abort word, the grid's status and ready_seq. One
  * block per call polls the peers' flags (PCIe reads on a discrete GPU,
  * which would compete with the payload reads if every block polled); the
- * others watch ready_seq and the status in device memory. The poller is a
+ * others watch ready_seq and the status in device memory (elected on the
+ * poller word of the call's parity: state.poller). The poller is a
  * running block, so waiting for it needs no other block to be scheduled;
  * nor does waiting for `own_done`, advanced only by blocks that hold work
  * of this launch (running blocks). */
@@ -110,9 +111,17 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
     u32 have = 0; /* bit k: this thread's k-th flag arrived */
     u32 round = 0;
     bool failed = false;
+    /* The election word of this call's parity: only blocks waiting for this
+     * call move it within a launch (the other call of a two-shot launch has
+     * the other parity), so a lost CAS means another block of this call won
+     * it, and exactly one block polls. (One word for both calls let a
+     * gather block's CAS to seq + 1 defeat every reduce block's CAS to seq
+     * between its load and its CAS: no poller, every reduce block watching
+     * ready_seq until the deadline, all flags in.) */
+    u32 *poll_word = &st->poller[par];
     if (tid == 0) {
-        u32 old = ld_relaxed_gpu_u32(&st->poller);
-        *s_poll = (old != seq32 && atom_cas_acq_rel_gpu(&st->poller, old, seq32) == old);
+        u32 old = ld_relaxed_gpu_u32(poll_word);
+        *s_poll = (old != seq32 && atom_cas_acq_rel_gpu(poll_word, old, seq32) == old);
     }
     __syncthreads();
     const bool poller = *s_poll != 0;
@@ -205,13 +214,13 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
                 /* No flag missing: our own part did not get out. The flag
                  * field carries what this block saw (src/device/status.rs
                  * prints it): the own counter and its target, ready_seq,
-                 * the poller word (low 16 bits each), whether this block
-                 * polled. */
+                 * the poller word of this call's parity (low 16 bits
+                 * each), whether this block polled. */
                 if (tid == 0) {
                     const u64 diag = (u64)(ld_acquire_gpu_u32(own_done) & 0xFFFFu) |
                                      ((u64)(own_target & 0xFFFFu) << 16) |
                                      ((u64)(ld_acquire_gpu_u32(&st->ready_seq) & 0xFFFFu) << 32) |
-                                     ((u64)(ld_relaxed_gpu_u32(&st->poller) & 0x7FFFu) << 48) |
+                                     ((u64)(ld_relaxed_gpu_u32(poll_word) & 0x7FFFu) << 48) |
                                      ((u64)(poller ? 1u : 0u) << 63);
                     arx_fail(ctrl, st, why, me, 0xFFFFFFFFu, seq, diag);
                 }

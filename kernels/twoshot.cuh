@@ -35,6 +35,14 @@
  * recorded naming the peer and lane); the counter lives in device memory
  * (graph capturable).
  *
+ * A two-shot launch waits for two calls at once (blocks without a reduce
+ * chunk go straight to the gather wait while others still wait for seq),
+ * so each call elects its poller on its own word (state.poller[call & 1]):
+ * with one word, a gather block's CAS to seq + 1 could land between every
+ * reduce block's load and CAS, leaving seq with no poller. ready_seq can
+ * stay shared: the gather's poller posts seq + 1 only once `reduced` is
+ * complete, i.e. after every reduce block has left its wait for seq.
+ *
  * Why send[p ^ 1] is free for the gather step, and recv[p ^ 1][q] for
  * peer q's: src/algo/twoshot.rs.
  */

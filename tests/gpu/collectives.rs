@@ -489,3 +489,68 @@ pub(super) fn twoshot_sustained(ctx: &Ctx, st: Staging) -> R {
     ));
     Ok(())
 }
+
+/// Two-shot in place under sustained load, the other shape that stalled in
+/// `allreduce_perf -A twoshot -G 10` (65536 bf16, 3 ranks, in place): each
+/// graph holds, per call, a device copy of the call's pristine input into
+/// its buffer and the in-place call, so replays run back to back with no
+/// host work and every replay reduces the same inputs; every buffer is
+/// checked after each batch. Bounded: 10000 calls at full length. (The
+/// stall it guards against, an election race between the two calls of one
+/// launch, came about once in 80000 calls: this case alone does not
+/// reproduce it reliably; `ARX_PERF_STALL=1 scripts/gpu-perf` does.)
+pub(super) fn twoshot_sustained_in_place(ctx: &Ctx, st: Staging) -> R {
+    const CALLS: usize = 10;
+    const COUNT: usize = 65536;
+    let (batches, per_batch) = if ctx.quick { (2, 20) } else { (10, 100) };
+    let (mut arx, s) = build_opts(ctx, st, Duration::from_secs(10), None, Some(Algo::TwoShot))?;
+    let data: Vec<(Vec<bf16>, Vec<bf16>)> = (0..CALLS as u64)
+        .map(|i| wide_data::<bf16>(ctx, 0x6200_0000 + i, COUNT))
+        .collect();
+    let pristine: Vec<CudaSlice<bf16>> = data.iter().map(|(x, _)| up(&s, x)).collect::<R<_>>()?;
+    let mut bufs: Vec<CudaSlice<bf16>> = (0..CALLS)
+        .map(|_| poisoned::<bf16>(&s, COUNT))
+        .collect::<R<_>>()?;
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r: R = pristine.iter().zip(bufs.iter_mut()).try_for_each(|(p, b)| {
+        s.memcpy_dtod(p, b).map_err(e("memcpy_dtod"))?;
+        arx.allreduce_in_place(b, &s)
+            .map_err(e("allreduce_in_place"))
+    });
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(|x| format!("under capture: {x}"))?;
+    let g = g.ok_or("empty graph")?;
+    let mut total = 0usize;
+    for b in 0..batches {
+        for _ in 0..per_batch {
+            g.launch().map_err(e("graph launch"))?;
+        }
+        s.synchronize().map_err(e("sync"))?;
+        arx.check().map_err(|x| {
+            format!(
+                "{COUNT} x bf16 in place, batch {b} of {per_batch} replays of {CALLS} calls: {x}"
+            )
+        })?;
+        for (c, (o, (_, want))) in bufs.iter().zip(&data).enumerate() {
+            let got = down(&s, o)?;
+            compare(
+                &format!("{COUNT} x bf16 in place, batch {b}, call {c} of the graph"),
+                &got,
+                want,
+            )?;
+            if b + 1 == batches {
+                ctx.fold(&got);
+            }
+        }
+        total += per_batch * CALLS;
+    }
+    drop(g);
+    ctx.say(format!(
+        "{total} in-place two-shot calls (128 KB bf16) in graphs of {CALLS}, replayed back to back"
+    ));
+    Ok(())
+}

@@ -319,6 +319,10 @@ fn child() -> ExitCode {
             twoshot_sustained,
         ),
         (
+            "two-shot: graphs of 10 in-place calls at 128 KB replayed back to back",
+            twoshot_sustained_in_place,
+        ),
+        (
             "reduce_scatter and all_gather: every dtype, length, placement",
             collectives_eager,
         ),
