@@ -67,9 +67,17 @@ pub enum Algo {
 /// ranks in bf16 and float, but for 3 ranks float at 8 KiB (equal, 0.99×)
 /// — the CPU's sum of N partials, which two-shot cuts to one shard,
 /// dominates there. Below 8 KiB is not measured: one-shot's single round
-/// trip is kept. The GPU device side's automatic choice is one-shot at
-/// every size (see [`Algo::choose`]).
+/// trip is kept.
 pub const TWOSHOT_FROM_BYTES: usize = 8 << 10;
+
+/// On the GPU device side, from this many bytes per call, at 4 ranks or
+/// more, the automatic choice is two-shot. Measured on one H200 with the
+/// ranks under MPS (docs/BENCHMARKS.md): at 4 ranks two-shot was faster
+/// from 128 KiB (0.81× one-shot's time) to 4 MiB (0.75×) and slower below;
+/// at 3 ranks it was never clearly faster up to 4 MiB, so 3 ranks stay
+/// one-shot. The GB10 model (docs/GB10.md) predicts 135-180 KB at 4 ranks
+/// on Sparks.
+pub const GPU_TWOSHOT_FROM_BYTES: usize = 128 << 10;
 
 impl Algo {
     /// The algorithm a call of `bytes` bytes over `world` ranks runs on the
@@ -78,15 +86,16 @@ impl Algo {
     /// of an instance decides alike whichever kind of call it makes).
     ///
     /// Automatic: on the host side two-shot from 3 ranks and
-    /// [`TWOSHOT_FROM_BYTES`]; on the GPU side one-shot always — measured
-    /// on one H200 with 3 and 4 ranks under MPS (docs/BENCHMARKS.md),
-    /// two-shot was slower or equal at every size from 8 KiB to 128 KiB
-    /// (its second round trip costs more than the bytes it saves), and the
-    /// GB10 model (docs/GB10.md) puts the break-even above 128 KiB; the
-    /// threshold waits for measurements on Sparks.
+    /// [`TWOSHOT_FROM_BYTES`]; on the GPU side two-shot from 4 ranks and
+    /// [`GPU_TWOSHOT_FROM_BYTES`]; otherwise one-shot.
     pub fn choose(self, world: usize, bytes: usize, gpu: bool) -> Algo {
+        let two = if gpu {
+            world >= 4 && bytes >= GPU_TWOSHOT_FROM_BYTES
+        } else {
+            world >= 3 && bytes >= TWOSHOT_FROM_BYTES
+        };
         match self {
-            Algo::Auto if !gpu && world >= 3 && bytes >= TWOSHOT_FROM_BYTES => Algo::TwoShot,
+            Algo::Auto if two => Algo::TwoShot,
             Algo::Auto => Algo::OneShot,
             fixed => fixed,
         }

@@ -213,7 +213,10 @@ impl Device {
                     if gpu { "GPU" } else { "host" },
                     a.name(),
                     if gpu {
-                        String::from(" (one-shot at every size on the GPU side)")
+                        format!(
+                            " (two-shot from 4 ranks and {} bytes on the GPU side)",
+                            crate::config::GPU_TWOSHOT_FROM_BYTES
+                        )
                     } else {
                         format!(
                             " (two-shot from 3 ranks and {} bytes)",
