@@ -18,8 +18,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub(crate) fn stage_trace(ctx: &Ctx) -> Result<(), String> {
     const CALLS: u64 = 40;
-    let count = 4096; // 16 KiB of f32: one slot of builder()'s 64 KiB
-    // The trace records one-shot calls (a two-shot call has two rounds).
+    // 16 KiB of f32: one slot of builder()'s 64 KiB. The trace records
+    // one-shot calls (a two-shot call has two rounds).
+    let count = 4096;
     let mut arx = builder()
         .algo(arx::Algo::OneShot)
         .build(ctx.world)
