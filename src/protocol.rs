@@ -208,7 +208,9 @@ pub(crate) fn elem_size(dtype: u32) -> usize {
 /// empty.
 pub(crate) fn shard(count: usize, world: usize, esize: usize, q: usize) -> Range<usize> {
     let world = world.max(1);
-    let len = if count % world == 0 {
+    // `count / world * world == count`, not `is_multiple_of`: the crate's
+    // rust-version (1.80) predates it; the loom crate lints without one.
+    let len = if count / world * world == count {
         count / world
     } else {
         let a = (abi::ARX_LANE_ALIGN as usize / esize.max(1)).max(1);
