@@ -7,6 +7,19 @@ use crate::error::{Error, Result};
 use crate::{Arx, Op};
 
 impl Arx {
+    /// Elements per rank of an in-place `what` (reduce_scatter or
+    /// all_gather) on a buffer of `len` elements (host or GPU), or the
+    /// error to refuse the call with.
+    pub(crate) fn in_place_blocks(&self, what: &str, len: usize) -> Result<usize> {
+        let world = self.world();
+        if len % world != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} in place: the buffer's {len} elements are not a multiple of {world} ranks"
+            )));
+        }
+        Ok(len / world)
+    }
+
     /// Reduce-scatter: `input` holds `N·n` elements (N ranks); the sum of
     /// every rank's `input` is computed and block `r` of it (elements
     /// `r·n..(r+1)·n`) lands in rank `r`'s `output` of `n` elements. Bit for
@@ -48,15 +61,10 @@ impl Arx {
         buf: &mut [T],
         op: Op,
     ) -> Result<()> {
-        let world = self.world();
-        if buf.len() % world != 0 {
-            let e = Error::InvalidArgument(format!(
-                "reduce_scatter in place: the buffer's {} elements are not a multiple of {world} ranks",
-                buf.len()
-            ));
-            return Err(self.refuse_call(buf.len() / world, e));
-        }
-        let n = buf.len() / world;
+        let n = match self.in_place_blocks("reduce_scatter", buf.len()) {
+            Ok(n) => n,
+            Err(e) => return Err(self.refuse_call(buf.len() / self.world(), e)),
+        };
         self.device
             .host_collective(false, n, Bufs::InPlace(buf), op)
     }
@@ -80,15 +88,10 @@ impl Arx {
     /// rank's block (`rank·n..(rank+1)·n`) is its input; every block is
     /// filled.
     pub fn all_gather_host_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
-        let world = self.world();
-        if buf.len() % world != 0 {
-            let e = Error::InvalidArgument(format!(
-                "all_gather in place: the buffer's {} elements are not a multiple of {world} ranks",
-                buf.len()
-            ));
-            return Err(self.refuse_call(buf.len() / world, e));
-        }
-        let n = buf.len() / world;
+        let n = match self.in_place_blocks("all_gather", buf.len()) {
+            Ok(n) => n,
+            Err(e) => return Err(self.refuse_call(buf.len() / self.world(), e)),
+        };
         self.device
             .host_collective(true, n, Bufs::InPlace(buf), Op::Sum)
     }

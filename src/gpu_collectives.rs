@@ -75,17 +75,13 @@ impl Arx {
         stream: &CudaStream,
     ) -> Result<()> {
         self.device.same_context(stream)?;
-        let world = self.world();
-        if buf.len() % world != 0 {
-            let e = Error::InvalidArgument(format!(
-                "reduce_scatter in place: the buffer's {} elements are not a multiple of {world} ranks",
-                buf.len()
-            ));
-            return self
-                .device
-                .refuse_gpu(buf.len() / world, e, stream.cu_stream());
-        }
-        let n = buf.len() / world;
+        let n = match self.in_place_blocks("reduce_scatter", buf.len()) {
+            Ok(n) => n,
+            Err(e) => {
+                let c = buf.len() / self.world();
+                return self.device.refuse_gpu(c, e, stream.cu_stream());
+            }
+        };
         let own = (self.rank() * n * std::mem::size_of::<T>()) as u64;
         let (p, _r) = buf.device_ptr_mut(stream);
         // SAFETY: as in `reduce_scatter_op`; the output is this rank's
@@ -134,17 +130,13 @@ impl Arx {
         stream: &CudaStream,
     ) -> Result<()> {
         self.device.same_context(stream)?;
-        let world = self.world();
-        if buf.len() % world != 0 {
-            let e = Error::InvalidArgument(format!(
-                "all_gather in place: the buffer's {} elements are not a multiple of {world} ranks",
-                buf.len()
-            ));
-            return self
-                .device
-                .refuse_gpu(buf.len() / world, e, stream.cu_stream());
-        }
-        let n = buf.len() / world;
+        let n = match self.in_place_blocks("all_gather", buf.len()) {
+            Ok(n) => n,
+            Err(e) => {
+                let c = buf.len() / self.world();
+                return self.device.refuse_gpu(c, e, stream.cu_stream());
+            }
+        };
         let own = (self.rank() * n * std::mem::size_of::<T>()) as u64;
         let (p, _r) = buf.device_ptr_mut(stream);
         // SAFETY: as in `all_gather`; the input is this rank's block of the
