@@ -48,7 +48,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 6u
+#define ARX_ABI_VERSION 7u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -64,12 +64,29 @@ typedef unsigned int uint32_t;
  * then the dtype and the count field of that call, so that a receiver
  * detects a peer that called with a different length or dtype.
  *
- * A call longer than one slot is split into chunks of at most one slot,
- * each published, sent and summed as a call of its own (its own seq). The
+ * A call longer than one slot is split into chunks of half a slot, each
+ * published, sent and summed as a call of its own (its own seq). The
  * count field of a chunk holds its element count, plus ARX_FLAG_MORE on
  * every chunk but the last: ranks that disagree on a call's total length
  * then differ in the first chunk where their counts or their MORE bits
- * differ, and fail there at once (a mismatch), never by a timeout. */
+ * differ, and fail there at once (a mismatch), never by a timeout.
+ *
+ * Chunk j (from 0) of such a call lives in the half (j >> 1) & 1 of its
+ * parity's slots (ARX_FLAG_HIGH: the second half, at slot_bytes / 2), so
+ * four consecutive chunks use four distinct places. That lets a rank
+ * publish chunk j + 1 as soon as every peer's flag of chunk j is there,
+ * before it sums chunk j (the next chunk's sends overlap this one's sum):
+ * chunk j + 1's place was last used by chunk j - 3, and a peer published
+ * chunk j only after it had summed chunk j - 2 (a peer publishes chunk j
+ * once every flag of chunk j - 1 is there, after its sum of chunk j - 2);
+ * chunk j + 1's flag overwrites chunk j - 1's, which every peer had seen
+ * before it published chunk j. The last chunk is published only after the
+ * sum of the one before, so that when a call ends, a peer's flag of its
+ * last chunk still means "every earlier chunk is summed": the next call,
+ * which uses whole slots, finds them free by the rule of any two calls.
+ * (A two-shot chunk is two calls, j = 2k and 2k + 1, both in half k & 1;
+ * the next chunk's reduce-scatter step is published once the gather
+ * step's flags are there, before the copy out of the gathered shards.) */
 #define ARX_FLAG_SEQ_SHIFT 32u
 #define ARX_FLAG_DTYPE_SHIFT 28u
 #define ARX_FLAG_DTYPE_MASK 0x3u
@@ -108,13 +125,19 @@ typedef unsigned int uint32_t;
  * multiple of ARX_SECTION_ALIGN elements so that every chunk of every
  * dtype starts on a 4 KiB boundary of the caller's buffer (as its first
  * does). */
-#define ARX_MAX_CHUNK 0x01fff000u
-/* The element count of the count field (without MORE and the pattern). */
-#define ARX_FLAG_ELEMS_MASK 0x01ffffffu
+#define ARX_MAX_CHUNK 0x00fff000u
+/* In the count field, below the pattern: this chunk's data sits in the
+ * second half of its slots (at slot_bytes / 2), see "A call longer than
+ * one slot" above. The sender's proxy, a relay and the receiver all place
+ * the data by it. */
+#define ARX_FLAG_HIGH 0x01000000u
+/* The element count of the count field (without MORE, the pattern and
+ * HIGH). */
+#define ARX_FLAG_ELEMS_MASK 0x00ffffffu
 /* Count field of the "invalid" flag words a rank whose fabric failed writes
- * to its peers (so that they fail at once): every count and pattern bit,
- * no MORE; no call or refusal announces it (pattern 3 is none, and counts
- * are at most ARX_MAX_CHUNK). */
+ * to its peers (so that they fail at once): every count, HIGH and pattern
+ * bit, no MORE; no call or refusal announces it (its element count is
+ * above ARX_MAX_CHUNK). */
 #define ARX_FLAG_POISON_COUNT 0x07ffffffu
 /* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu
@@ -240,8 +263,10 @@ typedef struct arx_params {
     /* 16-byte vectors (or elements, for unaligned buffers) each thread
      * handles per work chunk; at least 1. */
     uint32_t unroll;
-    /* ARX_FLAG_MORE when more chunks of the same call follow this launch,
-     * else 0; or'ed into the flag word's count field. */
+    /* Count-field bits of this chunk, or'ed into the flag word:
+     * ARX_FLAG_MORE when more chunks of the same call follow this launch,
+     * ARX_FLAG_HIGH when its data sits in the second half of the slots
+     * (every slot address of the call moves by slot_bytes / 2). */
     uint32_t more;
     /* ARX_OP_* of the call. */
     uint32_t op;

@@ -324,11 +324,14 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
                      ((u64)op << ARX_FLAG_OP_SHIFT) |
                      ((u64)(p.dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
-                     ((u64)(p.count | (p.more & ARX_FLAG_MORE)) & ARX_FLAG_COUNT_MASK);
+                     ((u64)(p.count | (p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH))) &
+                      ARX_FLAG_COUNT_MASK);
+    /* Where this chunk's data sits in its slots (arx_abi.h: ARX_FLAG_HIGH). */
+    const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
 
     const S *in = (const S *)p.input;
     S *out = (S *)p.output;
-    S *send = (S *)(region + p.layout.send_off + par * slot);
+    S *send = (S *)(region + p.layout.send_off + par * slot + base);
     const bool vec = ((p.input | p.output) & 15ull) == 0;
     const u32 unit = vec ? VE : 1u; /* elements per thread per chunk */
     const u32 nunits = (count + unit - 1) / unit;
@@ -384,7 +387,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
     }
 
     /* ---- wait for every peer, then sum ---- */
-    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot;
+    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
     bool ready = false;
     while (!failed) {
         u32 c = block_ticket(&st->sum_next, &s_ticket);

@@ -88,7 +88,10 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     /* The call of the gather step (a two-shot's second call). */
     const u64 gseq = two ? seq + 1 : seq;
     const u32 op = p.op & ARX_FLAG_OP_MASK;
-    const u32 more = p.more & ARX_FLAG_MORE;
+    const u32 more = p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH);
+    /* Where this chunk's data sits in its slots (arx_abi.h: ARX_FLAG_HIGH;
+     * both steps of a two-shot chunk use the same half). */
+    const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
     const u32 pat1 = reduce ? ARX_PATTERN_SCATTER : ARX_PATTERN_GATHER;
     const u64 flag1 = make_flag(seq, op, p.dtype, count, more | (pat1 << ARX_FLAG_PATTERN_SHIFT));
     const u64 gflag =
@@ -101,10 +104,10 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     }
     const u32 par = (u32)(seq & 1);
     const u32 gpar = (u32)(gseq & 1);
-    S *send = (S *)(region + p.layout.send_off + (u64)par * slot);
-    S *gsend = (S *)(region + p.layout.send_off + (u64)gpar * slot);
-    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot;
-    const unsigned char *grecv = region + p.layout.recv_off + (u64)gpar * world * slot;
+    S *send = (S *)(region + p.layout.send_off + (u64)par * slot + base);
+    S *gsend = (S *)(region + p.layout.send_off + (u64)gpar * slot + base);
+    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
+    const unsigned char *grecv = region + p.layout.recv_off + (u64)gpar * world * slot + base;
     const S *in = (const S *)p.input;
     S *out = (S *)p.output;
 

@@ -60,6 +60,14 @@ impl Builder {
         self.o.algo = Some(a);
         self
     }
+    /// Test hook, not for use: pauses `d` before each pipelined chunk's
+    /// sum on the host side (calls longer than one slot), so that a test
+    /// can make one rank the slow one while its peers run ahead.
+    #[doc(hidden)]
+    pub fn test_sum_delay(mut self, d: Duration) -> Self {
+        self.o.sum_delay = Some(d);
+        self
+    }
     /// GPU send-slot staging (`ARX_STAGING`).
     pub fn staging(mut self, s: Staging) -> Self {
         self.o.staging = Some(s);

@@ -111,6 +111,10 @@ pub(crate) trait Memory: Control {
     /// learns it was sent), and the destination is not read by the peer
     /// before the flag that follows it.
     unsafe fn copy_send(&self, parity: usize, range: Range<usize>, peer: &Self, from: usize);
+
+    /// Bytes of one slot (a chunk with `ARX_FLAG_HIGH` sits at half of it,
+    /// see [`data_base`]).
+    fn slot_bytes(&self) -> usize;
 }
 
 impl<M: Control + ?Sized> Control for &M {
@@ -137,6 +141,9 @@ impl<M: Memory + ?Sized> Memory for &M {
     unsafe fn copy_send(&self, parity: usize, range: Range<usize>, peer: &Self, from: usize) {
         // SAFETY: the caller's contract, passed on.
         unsafe { (**self).copy_send(parity, range, *peer, from) }
+    }
+    fn slot_bytes(&self) -> usize {
+        (**self).slot_bytes()
     }
 }
 
@@ -219,6 +226,41 @@ pub(crate) fn shard(count: usize, world: usize, esize: usize, q: usize) -> Range
     count.min(q * len)..count.min((q + 1) * len)
 }
 
+/// Whether a flag word's chunk sits in the second half of its slots
+/// (`ARX_FLAG_HIGH`).
+pub fn flag_high(flag: u64) -> bool {
+    flag & u64::from(abi::ARX_FLAG_HIGH) != 0
+}
+
+/// Where the data of the call with flag word `flag` starts in its slots of
+/// `slot` bytes: half a slot in for a chunk with `ARX_FLAG_HIGH`, else 0.
+pub(crate) fn data_base(flag: u64, slot: usize) -> usize {
+    if flag_high(flag) {
+        slot / 2
+    } else {
+        0
+    }
+}
+
+/// [`dest_range`] placed in the slots: within the first `cap` bytes of the
+/// partial (what the sender published; the slot for a relay, which does not
+/// know it), moved to where the call's data sits ([`data_base`]), and never
+/// past the slot. What a fabric copies from the sender's `send[p]` into the
+/// receiver's `recv[p][src]` (the same offsets in both).
+pub(crate) fn placed_range(
+    flag: u64,
+    world: usize,
+    src: usize,
+    dst: usize,
+    cap: usize,
+    slot: usize,
+) -> Range<usize> {
+    let r = dest_range(flag, world, src, dst);
+    let base = data_base(flag, slot);
+    let end = |x: usize| (base + x.min(cap)).min(slot);
+    end(r.start)..end(r.end)
+}
+
 /// The bytes of rank `src`'s partial that its call with flag word `flag`
 /// gives rank `dst` (the call's pattern), at the same offsets in `dst`'s
 /// `recv[p][src]`. Empty for a call that carries no data (refused,
@@ -281,13 +323,14 @@ pub(crate) fn publish<C: Control + ?Sized>(c: &C, seq: u64, flag: u64, bytes: us
 }
 
 /// Step 1: copies this rank's partial of call `seq` into `send[seq & 1]`
-/// and publishes the call.
+/// (at [`data_base`]) and publishes the call.
 ///
 /// # Safety
 /// As [`Memory::write_send`]: the slot is the caller's.
 pub(crate) unsafe fn stage_and_publish<M: Memory + ?Sized>(m: &M, seq: u64, flag: u64, src: &[u8]) {
-    // SAFETY: the caller's contract.
-    unsafe { m.write_send(parity(seq), 0, src) };
+    // SAFETY: the caller's contract (the chunk's place, `data_base`, is
+    // part of the call's slot).
+    unsafe { m.write_send(parity(seq), data_base(flag, m.slot_bytes()), src) };
     publish(m, seq, flag, src.len());
 }
 
@@ -333,9 +376,9 @@ pub(crate) unsafe fn post_shm<M: Memory>(
     flag: u64,
 ) {
     let p = parity(seq);
+    let slot = mine.slot_bytes();
     for (q, peer) in peers {
-        let range = dest_range(flag, world, me, q);
-        let range = range.start.min(bytes)..range.end.min(bytes);
+        let range = placed_range(flag, world, me, q, bytes, slot);
         for lane in 0..LANES {
             let r = lane_part(&range, lane);
             // SAFETY: the caller's contract.

@@ -53,6 +53,8 @@ struct Shared {
     /// The stage trace (`crate::stages`); its proxy marks are made under
     /// the engine lock.
     trace: Trace,
+    /// The proxy thread, for [`Link::wake`] (its idle naps are parks).
+    thread: std::sync::OnceLock<std::thread::Thread>,
 }
 
 impl Shared {
@@ -212,6 +214,7 @@ impl Proxy {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             trace: Trace::new(),
+            thread: std::sync::OnceLock::new(),
         });
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
@@ -228,6 +231,7 @@ impl Proxy {
                     }
                 }
                 let _gone = Gone(&s.running);
+                let _ = s.thread.set(std::thread::current());
                 if let Some(cpu) = cpu {
                     if let Err(e) = crate::topology::pin_current_thread(cpu) {
                         log::warn!("arx proxy: could not pin to CPU {cpu}: {e}");
@@ -264,6 +268,14 @@ impl Link {
     /// (see `Shared::pump`). `wait` false: skip if the proxy is pumping.
     pub fn pump(&self, wait: bool) -> bool {
         self.0.pump(wait)
+    }
+    /// Ends the proxy thread's idle nap, if it naps: something was
+    /// published that this thread will not post itself (a pipelined chunk,
+    /// posted while this thread sums the previous one).
+    pub fn wake(&self) {
+        if let Some(t) = self.0.thread.get() {
+            t.unpark();
+        }
     }
     /// The error the proxy recorded, if any.
     pub fn error(&self) -> Option<Error> {
@@ -411,7 +423,7 @@ fn run(s: &Shared, layout: Layout, cfg: &Config) {
         if busy {
             backoff.reset();
         } else {
-            backoff.idle();
+            backoff.idle_parked();
         }
     }
 }

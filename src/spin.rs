@@ -35,13 +35,34 @@ impl Backoff {
     /// Called after a poll that found nothing to do.
     #[inline]
     pub(crate) fn idle(&mut self) {
+        if self.spin() {
+            std::thread::sleep(NAP);
+        }
+    }
+
+    /// [`Backoff::idle`] whose naps are parks, ended early by an unpark
+    /// (the proxy thread's, `proxy::Link::wake`). Only for threads arx
+    /// owns: on a caller's thread a park could consume an unpark meant for
+    /// the caller's own code.
+    #[inline]
+    pub(crate) fn idle_parked(&mut self) {
+        if self.spin() {
+            std::thread::park_timeout(NAP);
+        }
+    }
+
+    /// Spins or yields once; true when it is time to nap instead.
+    #[inline]
+    fn spin(&mut self) -> bool {
         self.rounds = self.rounds.saturating_add(1);
         if self.mode == SpinMode::Hot || self.rounds <= self.hot {
             std::hint::spin_loop();
+            false
         } else if self.rounds <= self.hot.saturating_add(YIELD_ROUNDS) {
             std::thread::yield_now();
+            false
         } else {
-            std::thread::sleep(NAP);
+            true
         }
     }
 

@@ -209,4 +209,8 @@ impl Memory for Rank {
             });
         }
     }
+
+    fn slot_bytes(&self) -> usize {
+        BYTES
+    }
 }

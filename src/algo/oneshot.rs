@@ -78,6 +78,7 @@ pub(crate) fn host<T: Element>(
     let bytes = std::mem::size_of_val(output);
     let p = protocol::parity(seq);
     let mem = Placed { region, layout };
+    let more = if more { abi::ARX_FLAG_MORE } else { 0 };
     let flag = protocol::flag_word_op(
         seq,
         T::DTYPE.code(),
@@ -144,6 +145,94 @@ pub(crate) fn host<T: Element>(
         t.mark(Mark::End, seq);
     }
     Ok(())
+}
+
+/// A one-shot all-reduce longer than one slot: the chunks `cs`
+/// ([`chunked::call_chunks`]) as calls `first`, `first + 1`, …, pipelined
+/// (`kernels/arx_abi.h`, "A call longer than one slot"): chunk `j + 1` is
+/// published once every peer's flags of chunk `j` are there and before
+/// chunk `j` is summed, so the proxy thread sends it meanwhile; the last
+/// chunk only after the sum of the one before. Returns the seq of the last
+/// call published and the outcome.
+pub(crate) fn pipelined<T: Element>(
+    env: &Env<'_>,
+    first: u64,
+    cs: &[chunked::Chunk],
+    io: &mut chunked::Io<'_, T>,
+    op: crate::Op,
+) -> (u64, Result<()>) {
+    let mem = Placed {
+        region: env.region,
+        layout: env.layout,
+    };
+    let world = env.layout.world();
+    let m = cs.len();
+    let flag = |j: usize| {
+        protocol::flag_word_op(
+            first + j as u64,
+            T::DTYPE.code(),
+            op.code(),
+            chunked::count_field(cs[j].range.len(), cs[j].bits()),
+        )
+    };
+    let publish = |io: &chunked::Io<'_, T>, j: usize| {
+        // SAFETY: chunk j's place (its parity's slot, its half) was last
+        // used by chunk j - 4 (or by an earlier call, which every peer
+        // ended before it published this call's first chunk), and this
+        // rank has every peer's flag of chunk j - 1, which a peer
+        // publishes only after its sum of chunk j - 3 (kernels/arx_abi.h):
+        // no peer reads that place any more, and this rank's own sends of
+        // chunk j - 4 reached every peer before those flags could be sent.
+        // The partial fits half a slot (`call_chunks`).
+        unsafe {
+            protocol::stage_and_publish(
+                &mem,
+                first + j as u64,
+                flag(j),
+                io.partial(cs[j].range.clone()),
+            )
+        };
+    };
+    publish(io, 0);
+    env.link.pump(true);
+    for (j, chunk) in cs.iter().enumerate() {
+        let seq = first + j as u64;
+        let f = flag(j);
+        if let Err(e) = wait_flags(env, seq, f) {
+            return (seq, Err(e));
+        }
+        let early = j + 2 < m;
+        if early {
+            // The proxy thread posts it while this thread sums chunk j.
+            publish(io, j + 1);
+            env.link.wake();
+        }
+        if let Some(d) = env.cfg.sum_delay {
+            std::thread::sleep(d);
+        }
+        let base = protocol::data_base(f, env.layout.slot_bytes());
+        let range = chunk.range.clone();
+        let part = |r: usize, at: usize, dst: &mut [u8]| {
+            // SAFETY: every peer's flags of chunk j were acquired; its
+            // place is not written again before chunk j + 4 is published,
+            // which needs this rank's flag of chunk j + 3.
+            unsafe { mem.read_partial(protocol::parity(seq), r, base + at, dst) }
+        };
+        reduce_in_rank_order(op, world, part, &mut io.output[range]);
+        if !early && j + 1 < m {
+            // The last chunk: after the sum of this one (see above).
+            publish(io, j + 1);
+            env.link.pump(true);
+        }
+    }
+    let last = first + m as u64 - 1;
+    if env.cfg.staging == Staging::CopyEngine {
+        if let Err(e) = wait_sent(env, last) {
+            return (last, Err(e));
+        }
+    }
+    env.region.ctrl().done().store(last, Ordering::Release);
+    (last, Ok(()))
 }
 
 /// Step 3's wait: until both lanes of every peer carry call `seq`'s flag

@@ -26,6 +26,7 @@
 use std::sync::atomic::Ordering;
 
 use crate::abi;
+use crate::algo::chunked;
 use crate::algo::oneshot::{wait_flags, wait_sent, Env};
 use crate::dtype::{reduce_in_rank_order, Element};
 use crate::error::Result;
@@ -109,4 +110,128 @@ pub(crate) fn host<T: Element>(
     }
     region.ctrl().done().store(seq2, Ordering::Release);
     Ok(())
+}
+
+/// A two-shot all-reduce longer than one slot: the chunks `cs`
+/// ([`chunked::call_chunks`]), chunk `k` as calls `first + 2k` (SCATTER)
+/// and `first + 2k + 1` (GATHER), pipelined (`kernels/arx_abi.h`, "A call
+/// longer than one slot"): chunk `k + 1`'s reduce-scatter step is
+/// published once every peer's gather flags of chunk `k` are there, and
+/// the proxy thread sends it while this thread copies chunk `k`'s gathered
+/// shards out. Returns the seq of the last call published and the outcome.
+pub(crate) fn pipelined<T: Element>(
+    env: &Env<'_>,
+    first: u64,
+    cs: &[chunked::Chunk],
+    io: &mut chunked::Io<'_, T>,
+    op: crate::Op,
+) -> (u64, Result<()>) {
+    let Env {
+        region,
+        layout,
+        link,
+        ..
+    } = *env;
+    let (world, me) = (layout.world(), layout.rank());
+    let esize = std::mem::size_of::<T>();
+    let mem = Placed { region, layout };
+    let m = cs.len();
+    let word = |s: u64, k: usize, pattern: u32| {
+        let c = &cs[k];
+        protocol::flag_word_op(
+            s,
+            T::DTYPE.code(),
+            op.code(),
+            protocol::count_field(c.range.len(), c.more, pattern)
+                | (c.bits() & abi::ARX_FLAG_HIGH) as usize,
+        )
+    };
+    let scatter = |io: &chunked::Io<'_, T>, k: usize| {
+        let s = first + 2 * k as u64;
+        // SAFETY: chunk k's reduce-scatter place (parity of `s`, half k & 1)
+        // was last used by chunk k - 2 (or an earlier call, which every
+        // peer ended before it published this call's first step); this
+        // rank has every peer's gather flag of chunk k - 1, which a peer
+        // publishes only after it reduced chunk k - 1 (and so k - 2), and
+        // which it could send only after this rank's chunk k - 2 data had
+        // reached it. The partial fits half a slot.
+        unsafe {
+            protocol::stage_and_publish(
+                &mem,
+                s,
+                word(s, k, abi::ARX_PATTERN_SCATTER),
+                io.partial(cs[k].range.clone()),
+            )
+        };
+    };
+    scatter(io, 0);
+    link.pump(true);
+    for (k, chunk) in cs.iter().enumerate() {
+        let (s1, s2) = (first + 2 * k as u64, first + 2 * k as u64 + 1);
+        let range = chunk.range.clone();
+        let count = range.len();
+        let (f1, f2) = (
+            word(s1, k, abi::ARX_PATTERN_SCATTER),
+            word(s2, k, abi::ARX_PATTERN_GATHER),
+        );
+        let base = protocol::data_base(f1, layout.slot_bytes());
+        let mine = protocol::shard(count, world, esize, me);
+        let at = mine.start * esize;
+        if let Err(e) = wait_flags(env, s1, f1) {
+            return (s1, Err(e));
+        }
+        if let Some(d) = env.cfg.sum_delay {
+            std::thread::sleep(d);
+        }
+        let out = &mut io.output[range];
+        let part = |r: usize, off: usize, dst: &mut [u8]| {
+            // SAFETY: every peer's flags of call s1 were acquired; this
+            // rank's shard is not written again before chunk k + 2's
+            // reduce-scatter, which needs this rank's gather flag of
+            // chunk k + 1.
+            unsafe { mem.read_partial(protocol::parity(s1), r, base + at + off, dst) }
+        };
+        reduce_in_rank_order(op, world, part, &mut out[mine.clone()]);
+        // SAFETY: the gather place (parity of s2, half k & 1) was last used
+        // by chunk k - 2's gather step, whose sends reached every peer
+        // before that peer published chunk k's reduce-scatter step (it had
+        // waited for them), which this rank has; the shard fits.
+        unsafe {
+            mem.write_send(
+                protocol::parity(s2),
+                base + at,
+                bytemuck::cast_slice(&out[mine.clone()]),
+            )
+        };
+        protocol::publish(&mem, s2, f2, std::mem::size_of_val(out));
+        link.pump(true);
+        if let Err(e) = wait_flags(env, s2, f2) {
+            return (s2, Err(e));
+        }
+        if k + 1 < m {
+            scatter(io, k + 1);
+            link.wake();
+        }
+        if let Some(d) = env.cfg.sum_delay {
+            std::thread::sleep(d);
+        }
+        let out = &mut io.output[chunk.range.clone()];
+        for q in layout.peers() {
+            let sh = protocol::shard(count, world, esize, q);
+            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out[sh.clone()]);
+            // SAFETY: q's flags of call s2 were acquired: its shard is
+            // there, and nothing writes it before chunk k + 2's gather
+            // step, which needs this rank's reduce-scatter flag of chunk
+            // k + 2, published after this copy.
+            unsafe { mem.read_partial(protocol::parity(s2), q, base + sh.start * esize, dst) };
+        }
+    }
+    let last = first + 2 * m as u64 - 1;
+    if env.cfg.staging == Staging::CopyEngine {
+        if let Err(e) = wait_sent(env, last) {
+            return (last, Err(e));
+        }
+    }
+    region.ctrl().done().store(last, Ordering::Release);
+    (last, Ok(()))
 }

@@ -266,6 +266,10 @@ pub struct Config {
     /// 16-byte vectors per thread per work chunk of the GPU kernel
     /// (`ARX_GPU_UNROLL`); `None`: chosen by size.
     pub gpu_unroll: Option<u32>,
+    /// Test hook (`Builder::test_sum_delay`, no environment variable): a
+    /// pause before each pipelined chunk's sum on the host side, so that
+    /// tests can make this rank the slow one. Not exchanged with peers.
+    pub sum_delay: Option<Duration>,
 }
 
 /// Options the builder sets explicitly (each overrides its environment variable).
@@ -286,6 +290,8 @@ pub(crate) struct Overrides {
     pub cuda_device: Option<usize>,
     /// A binding's own refusal of an option (`Builder::refuse`).
     pub refused: Option<Error>,
+    /// `Builder::test_sum_delay`.
+    pub sum_delay: Option<Duration>,
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -618,6 +624,7 @@ impl Config {
             cuda_device,
             gpu_blocks,
             gpu_unroll,
+            sum_delay: o.sum_delay,
         })
     }
 

@@ -496,9 +496,9 @@ impl GpuSide {
             None => {
                 let c = count.min(abi::ARX_MAX_CHUNK as usize);
                 // SAFETY: a refusal touches no memory.
-                unsafe { self.launch_one(0, 0, c, None, false, stream) }
+                unsafe { self.launch_one(0, 0, c, None, 0, stream) }
             }
-            Some((d, per, op)) => chunked::chunks(count, per).try_for_each(|c| {
+            Some((d, per, op)) => chunked::call_chunks(count, per, 1).try_for_each(|c| {
                 let at = (c.range.start * d.size()) as u64;
                 // SAFETY: the chunk lies within the caller's `count`
                 // elements (the caller's contract), and holds at most `per`
@@ -509,7 +509,7 @@ impl GpuSide {
                         output + at,
                         c.range.len(),
                         Some((d, op)),
-                        c.more,
+                        c.bits(),
                         stream,
                     )
                 }
@@ -521,9 +521,15 @@ impl GpuSide {
         r.and(after)
     }
 
+    /// Where a chunk with count-field `bits` sits in its slots
+    /// (`protocol::data_base`).
+    fn chunk_base(&self, bits: u32) -> usize {
+        crate::protocol::data_base(u64::from(bits), self.layout.slot_bytes())
+    }
+
     /// Enqueues one chunk: the copy-engine staging (if chosen) and the
-    /// kernel. `dtype`: the element type and op (None: a refusal); `more`:
-    /// more chunks of the same call follow.
+    /// kernel. `dtype`: the element type and op (None: a refusal); `bits`:
+    /// the chunk's count-field bits ([`chunked::Chunk::bits`]).
     ///
     /// # Safety
     /// As [`GpuSide::launch`], for `count` ≤ one slot's worth of elements.
@@ -533,10 +539,11 @@ impl GpuSide {
         output: u64,
         count: usize,
         dtype: Option<(Dtype, crate::Op)>,
-        more: bool,
+        bits: u32,
         stream: sys::CUstream,
     ) -> Result<()> {
         let d = dtype.map(|(d, _)| d);
+        let base = self.chunk_base(bits);
         let op = dtype.map_or(crate::Op::Sum, |(_, o)| o);
         let code = d.map_or(abi::ARX_DTYPE_INVALID, Dtype::code);
         let bytes = d.map_or(0, |d| d.size() * count);
@@ -548,7 +555,7 @@ impl GpuSide {
             // flight (copy-engine chunks therefore do not overlap each
             // other's sends; SM-staged chunks do).
             for parity in 0..2 {
-                let dst = self.region_dev + self.layout.send_offset(parity) as u64;
+                let dst = self.region_dev + (self.layout.send_offset(parity) + base) as u64;
                 // SAFETY: `dst` is a send slot of the mapped region (the
                 // chunking bounds `bytes` by the slot), `input` is valid for
                 // `bytes` by the caller's contract, on the caller's stream.
@@ -566,7 +573,7 @@ impl GpuSide {
             dtype: code,
             sm_staging: u32::from(!ce),
             unroll: 1,
-            more: if more { abi::ARX_FLAG_MORE } else { 0 },
+            more: bits,
             op: op.code(),
         };
         let aligned = (input | output) & 15 == 0;
@@ -625,7 +632,7 @@ impl GpuSide {
         let esize = dtype.size();
         let world = self.layout.world();
         let r = match coll {
-            Coll::TwoShot => chunked::chunks(n, per).try_for_each(|c| {
+            Coll::TwoShot => chunked::call_chunks(n, per, 2).try_for_each(|c| {
                 let at = (c.range.start * esize) as u64;
                 let len = c.range.len();
                 // SAFETY: the chunk lies within the caller's `n` elements
@@ -637,7 +644,7 @@ impl GpuSide {
                         len,
                         [0, 0],
                         (dtype, op),
-                        c.more,
+                        c.bits(),
                         stream,
                     )
                 }
@@ -660,7 +667,7 @@ impl GpuSide {
                             world * c.range.len(),
                             strides,
                             (dtype, op),
-                            c.more,
+                            c.bits(),
                             stream,
                         )
                     }
@@ -687,10 +694,11 @@ impl GpuSide {
         count: usize,
         strides: [u64; 2],
         (dtype, op): (Dtype, crate::Op),
-        more: bool,
+        bits: u32,
         stream: sys::CUstream,
     ) -> Result<()> {
         let [input, output] = io;
+        let base = self.chunk_base(bits) as u64;
         let esize = dtype.size();
         let world = self.layout.world();
         let ce = self.staging == Staging::CopyEngine;
@@ -698,7 +706,7 @@ impl GpuSide {
             // Both slots (the parity lives in device memory), as in
             // `launch_one`; what the call's first step stages.
             for parity in 0..2 {
-                let slot = self.region_dev + self.layout.send_offset(parity) as u64;
+                let slot = self.region_dev + self.layout.send_offset(parity) as u64 + base;
                 let r = match coll {
                     Coll::TwoShot => {
                         // SAFETY: the destination lies in a send slot of
@@ -753,7 +761,7 @@ impl GpuSide {
             dtype: dtype.code(),
             sm_staging: u32::from(!ce),
             unroll: 1,
-            more: if more { abi::ARX_FLAG_MORE } else { 0 },
+            more: bits,
             op: op.code(),
         };
         let aligned = (input | output) & 15 == 0;

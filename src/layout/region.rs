@@ -322,4 +322,7 @@ impl Memory for Placed<'_> {
         // SAFETY: the trait's contract, which is `Region::copy_to`'s.
         unsafe { self.region.copy_to(src, peer.region, dst, range.len()) }
     }
+    fn slot_bytes(&self) -> usize {
+        self.layout.slot_bytes()
+    }
 }

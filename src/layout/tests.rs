@@ -203,8 +203,8 @@ fn flag_word_round_trips() {
     let more = crate::abi::ARX_FLAG_MORE as usize;
     for (seq, dtype, count, m) in [
         (1u64, 1u32, 1usize, false),
-        (0x1_2345_6789, 3, 0x01ff_ffff, false),
-        (0x1_2345_6789, 3, 0x01ff_f000, true),
+        (0x1_2345_6789, 3, 0x00ff_ffff, false),
+        (0x1_2345_6789, 3, 0x00ff_f000, true),
         (7, 2, 12345, false),
         (7, 2, 12345, true),
     ] {
@@ -212,6 +212,11 @@ fn flag_word_round_trips() {
         assert_eq!(flag_seq(f), seq as u32);
         assert_eq!(flag_call(f), (dtype, count));
         assert_eq!(crate::protocol::flag_more(f), m);
+        assert!(!crate::protocol::flag_high(f));
+        let h = flag_word(seq, dtype, count | crate::abi::ARX_FLAG_HIGH as usize);
+        assert!(crate::protocol::flag_high(h));
+        assert_eq!(flag_call(h), (dtype, count));
+        assert_ne!(h, flag_word(seq, dtype, count));
     }
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 6));
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 3, 5));
@@ -222,12 +227,12 @@ fn flag_word_round_trips() {
     use crate::protocol::flag_word_op;
     for op in 0..4 {
         for dtype in 0..4 {
-            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x01ff_f000 | more);
-            assert_eq!(flag_call(f), (dtype, 0x01ff_f000));
+            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x00ff_f000 | more);
+            assert_eq!(flag_call(f), (dtype, 0x00ff_f000));
             assert_eq!(flag_seq(f), 0x2345_6789);
             assert_eq!(crate::dtype::CallDesc::of_flag(f).op.code(), op);
             if op > 0 {
-                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x01ff_f000 | more));
+                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x00ff_f000 | more));
             }
         }
     }
@@ -236,13 +241,24 @@ fn flag_word_round_trips() {
     use crate::protocol::{count_field, flag_pattern};
     for pattern in 0..3 {
         for m in [false, true] {
-            let f = flag_word(9, 2, count_field(0x01ff_f000, m, pattern));
-            assert_eq!(flag_call(f), (2, 0x01ff_f000));
+            let f = flag_word(
+                9,
+                2,
+                count_field(crate::abi::ARX_MAX_CHUNK as usize, m, pattern),
+            );
+            assert_eq!(flag_call(f), (2, crate::abi::ARX_MAX_CHUNK as usize));
             assert_eq!(flag_pattern(f), pattern);
             assert_eq!(crate::protocol::flag_more(f), m);
             for other in 0..3 {
                 if other != pattern {
-                    assert_ne!(f, flag_word(9, 2, count_field(0x01ff_f000, m, other)));
+                    assert_ne!(
+                        f,
+                        flag_word(
+                            9,
+                            2,
+                            count_field(crate::abi::ARX_MAX_CHUNK as usize, m, other)
+                        )
+                    );
                 }
             }
         }

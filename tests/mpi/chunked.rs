@@ -1,13 +1,15 @@
-//! Calls longer than one slot: split into chunks of one slot, each a
-//! one-shot call of its own. A small slot keeps these quick; lengths are
+//! Calls longer than one slot: split into chunks of half a slot, each a
+//! call of its own, pipelined (kernels/arx_abi.h). A small slot keeps these quick; lengths are
 //! derived from `max_count` (the chunk), so a larger page (aarch64) only
 //! makes the chunk larger.
 
 use super::*;
 
-/// Lengths around the chunk `m`: 1, m−1, m, m+1, 2m+3, ~3.5m.
-fn chunk_lengths(m: usize) -> [usize; 6] {
-    [1, m - 1, m, m + 1, 2 * m + 3, 3 * m + m / 2 + 1]
+/// Lengths around the slot's `m` elements: 1, m−1, m, m+1 (three
+/// half-slot chunks, the shortest pipeline), 2m+3, ~3.5m, ~10m (21 chunks:
+/// every place of the four reused five times).
+fn chunk_lengths(m: usize) -> [usize; 7] {
+    [1, m - 1, m, m + 1, 2 * m + 3, 3 * m + m / 2 + 1, 10 * m + 7]
 }
 
 /// The slot of these cases: one page (4 KiB here; the layout rounds up to
@@ -173,6 +175,73 @@ pub(super) fn chunked_length_mismatch(ctx: &Ctx) -> Result<(), String> {
             arx.allreduce_host(&[1.0f32], &mut [0f32]),
             |e| matches!(e, Error::CallMismatch { .. }),
         )?;
+    }
+    Ok(())
+}
+
+/// Pipelined chunks back to back: calls of 1 to 5 slots (3 to 10
+/// half-slot chunks, the last one tiny), each followed by a call of one whole slot (which
+/// uses both halves of its slots right after a pipelined call), through
+/// one-shot and two-shot, in place and out of place, with no
+/// synchronisation between the calls (a rank may run ahead into its next
+/// call while a peer still sums); every output is kept and checked
+/// afterwards against the independent reference. A chunk published into a
+/// place a peer still reads shows up here as wrong elements (checked by
+/// breaking the placement rule and the last chunk's rule: both failed
+/// this case at 4 or 8 ranks).
+pub(super) fn pipelined_back_to_back(ctx: &Ctx) -> Result<(), String> {
+    const PIPE_SLOT: usize = 32 << 10;
+    for (k, algo) in [arx::Algo::OneShot, arx::Algo::TwoShot]
+        .into_iter()
+        .enumerate()
+    {
+        let mut b = builder().slot_bytes(PIPE_SLOT).algo(algo);
+        if ctx.rank == ctx.n - 1 {
+            // The last rank is the slow one: it pauses before every
+            // pipelined sum and copy, its peers run ahead as far as the
+            // protocol lets them.
+            b = b.test_sum_delay(std::time::Duration::from_millis(2));
+        }
+        let mut arx = b.build(ctx.world).map_err(|e| e.to_string())?;
+        let m = arx.max_count::<f32>();
+        let calls = 20u64;
+        let first = 5400 + 100 * k as u64;
+        let mut outs = Vec::new();
+        for c in first..first + calls {
+            // The length (the same on every rank) from the call number:
+            // chunked, its last chunk of 1 to 3 elements (a peer may still
+            // sum the full chunk before it when this rank is done), then
+            // most of one whole slot.
+            let count = if c % 2 == 0 {
+                m / 2 * (2 + (c as usize / 2) % 8) + 1 + (c as usize % 3)
+            } else {
+                m - (c as usize * 31) % (m / 4)
+            };
+            let input = verify::input::<f32>(SEED, c, ctx.rank, count);
+            let mut out = input.clone();
+            let r = if c % 4 < 2 {
+                arx.allreduce_host_in_place(&mut out)
+            } else {
+                verify::poison(&mut out);
+                arx.allreduce_host(&input, &mut out)
+            };
+            r.map_err(|e| format!("{algo:?} call {c} ({count} x f32): {e}"))?;
+            outs.push((c, out));
+        }
+        for (c, out) in outs {
+            let want = verify::expected::<f32>(SEED, c, ctx.n, out.len());
+            let wrong = verify::count_wrong(&out, &want);
+            if wrong != 0 {
+                let i = verify::first_wrong(&out, &want).unwrap_or(0);
+                return Err(format!(
+                    "{algo:?} call {c} ({} x f32, slot of {m}): {wrong} wrong; first at {i}: got {} want {}",
+                    out.len(),
+                    out[i],
+                    want[i]
+                ));
+            }
+            same_everywhere(ctx, verify::digest(&out))?;
+        }
     }
     Ok(())
 }

@@ -246,6 +246,10 @@ fn child() -> ExitCode {
             chunked_length_mismatch,
         ),
         (
+            "pipelined chunks back to back, one-shot and two-shot",
+            pipelined_back_to_back,
+        ),
+        (
             "one answer: one-shot, two-shot, auto, chunked, in place, bit for bit",
             one_answer,
         ),

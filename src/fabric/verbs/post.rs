@@ -171,10 +171,7 @@ impl VerbsFabric {
         );
         let mut ranges: Vec<_> = std::iter::once(q)
             .chain(relayed)
-            .map(|d| {
-                let r = protocol::dest_range(flag, world, me, d);
-                r.start.min(bytes)..r.end.min(bytes)
-            })
+            .map(|d| protocol::placed_range(flag, world, me, d, bytes, self.layout.slot_bytes()))
             .filter(|r| !r.is_empty())
             .collect();
         ranges.sort_by_key(|r| (r.start, r.end));

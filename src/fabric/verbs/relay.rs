@@ -126,9 +126,8 @@ impl VerbsFabric {
         // What the call's pattern gives `to` of `from`'s partial (a
         // poisoned or refused call carries no data: the flag alone); `from`
         // sent this lane's part of it to this rank before the flag.
-        let range = crate::protocol::dest_range(word, self.layout.world(), from, to);
         let slot = self.layout.slot_bytes();
-        let range = range.start.min(slot)..range.end.min(slot);
+        let range = crate::protocol::placed_range(word, self.layout.world(), from, to, slot, slot);
         let part = crate::protocol::lane_part(&range, lane);
         let rr = self.links[i].remote;
         let recv = self.layout.recv_offset(p, from) as u64;
