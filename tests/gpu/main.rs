@@ -68,6 +68,13 @@
 //! its bound; `ARX_TEST_HARNESS_SELFTEST=1` adds a case that fails that way
 //! on purpose, to see it.
 //!
+//! Issue 10's one answer at 64 MiB (`collectives.rs`, `large_one_answer`):
+//! bf16, f16 and f32 at 64 MiB and one element past one and three slots,
+//! sum and max, one-shot, two-shot (also in place) and auto, eager and
+//! graph, against the reference of `tests/common/large.rs`; a case named
+//! `large: ...`, run only when a word of `ARX_GPU_TEST_CASES` containing
+//! `large` selects it (`scripts/gpu-check` with `ARX_GPU_LARGE=1`).
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
@@ -92,6 +99,8 @@ use rand::{Rng, SeedableRng};
 mod checks;
 mod chunked;
 mod collectives;
+#[path = "../common/large.rs"]
+mod large;
 mod ops;
 #[path = "../common/verdict.rs"]
 mod verdict;
@@ -359,6 +368,10 @@ fn child() -> ExitCode {
             "ranks on different all-reduce algorithms fail at once",
             algo_mismatch,
         ),
+        (
+            "large: one answer at 64 MiB and odd lengths past slots, every algorithm, eager and graph",
+            large_one_answer,
+        ),
     ];
     if std::env::var_os("ARX_TEST_HARNESS_SELFTEST").is_some() {
         // Fails on purpose: see `harness_self_test`.
@@ -384,6 +397,11 @@ fn child() -> ExitCode {
             if ctx.quick { ", quick" } else { "" }
         );
     }
+    // Cases named "large: ..." run only when a word of ARX_GPU_TEST_CASES
+    // containing "large" selects them (never in scripts/gpu-check's runs).
+    let asked_large = only
+        .as_ref()
+        .is_some_and(|ws| ws.iter().any(|w| w.contains("large")));
     let mut all_ok = true;
     for staging in stagings {
         for &(name, case) in &cases {
@@ -397,6 +415,15 @@ fn child() -> ExitCode {
                     }
                     continue;
                 }
+            }
+            if name.starts_with("large:") && !asked_large {
+                if ctx.rank == 0 {
+                    println!(
+                        "  [{} ranks, {staging:?}] {name}: NOT RUN (on request only: ARX_GPU_TEST_CASES=large)",
+                        ctx.n
+                    );
+                }
+                continue;
             }
             let t = Instant::now();
             ctx.digest.set(None);
