@@ -569,7 +569,9 @@ fn reference<T: Element>(
                 // One input of each block (its owner's) is off by the
                 // previous bound: carried twice over, generously.
                 tol = match (t, tol) {
-                    (Some(t), Some(p)) => Some(t.iter().zip(&p).map(|(a, b)| a + 2.0 * b).collect()),
+                    (Some(t), Some(p)) => {
+                        Some(t.iter().zip(&p).map(|(a, b)| a + 2.0 * b).collect())
+                    }
                     (t, _) => t,
                 };
                 full = w;
@@ -780,4 +782,64 @@ fn staged_mpi(
         (col.wrong, col.inexact) = colls::mpi_check(world, coll, call_no, floats, &down(s, &ddst)?);
     }
     Ok(col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(coll: Coll, rank: usize) -> Call {
+        Call {
+            coll,
+            op: arx::Op::Sum,
+            rank,
+            n: 3,
+        }
+    }
+
+    #[test]
+    fn in_place_references_follow_nccl_rules() {
+        let (seed, k, per) = (7, 11, 8);
+        for rank in 0..3 {
+            let rs = call(Coll::ReduceScatter, rank);
+            let (oop, _) = reference::<f32>(rs, seed, k, per, false, 1, false);
+            let (inp, _) = reference::<f32>(rs, seed, k, per, true, 1, false);
+            let mine = verify::input::<f32>(seed, k, rank, 3 * per);
+            let own = rank * per..(rank + 1) * per;
+            assert_eq!(oop.len(), per);
+            // In place: this rank's block is the result, the others stay.
+            assert_eq!(inp[own.clone()], oop[..]);
+            for q in (0..3).filter(|&q| q != rank) {
+                assert_eq!(inp[q * per..(q + 1) * per], mine[q * per..(q + 1) * per]);
+            }
+            // A second in-place call reduces the first one's buffers: block
+            // r adds rank r's result and the others' untouched inputs.
+            let (two, tol) = reference::<f32>(rs, seed, k, per, true, 2, true);
+            let tol = tol.expect("tolerant");
+            assert!(tol[own.clone()].iter().all(|&t| t > 0.0));
+            assert!(tol
+                .iter()
+                .enumerate()
+                .all(|(i, &t)| own.contains(&i) || t == 0.0));
+            let all: Vec<Vec<f32>> = (0..3).map(|r| verify::input(seed, k, r, 3 * per)).collect();
+            let first = verify::reference(&all);
+            let mut second: Vec<Vec<f32>> = all.clone();
+            for (q, b) in second.iter_mut().enumerate() {
+                b[q * per..(q + 1) * per].copy_from_slice(&first[q * per..(q + 1) * per]);
+            }
+            assert_eq!(two[own.clone()], verify::reference(&second)[own]);
+            // All-gather: every rank's block, in place or not, any k.
+            let ag = call(Coll::AllGather, rank);
+            let want: Vec<f32> = (0..3)
+                .flat_map(|r| verify::input(seed, k, r, per))
+                .collect();
+            assert_eq!(reference::<f32>(ag, seed, k, per, false, 1, true).0, want);
+            assert_eq!(reference::<f32>(ag, seed, k, per, true, 3, true).0, want);
+            let buf = first_buffer::<f32>(ag, seed, k, true, per);
+            assert_eq!(
+                buf[rank * per..(rank + 1) * per],
+                want[rank * per..(rank + 1) * per]
+            );
+        }
+    }
 }

@@ -211,7 +211,14 @@ pub(crate) fn check_blocks(
     let bytes = |len: usize| len.saturating_mul(d.size());
     let mine = big.0.saturating_add(bytes(rank.saturating_mul(n)) as u64);
     let in_place = n > 0 && small.0 == mine;
-    if !in_place && overlap(input.0 as usize, bytes(input.1), out.0 as usize, bytes(out.1)) {
+    if !in_place
+        && overlap(
+            input.0 as usize,
+            bytes(input.1),
+            out.0 as usize,
+            bytes(out.1),
+        )
+    {
         let rule = match coll {
             Coll::ReduceScatter => "out = input[rank*n:(rank+1)*n]",
             Coll::AllGather => "input = out[rank*n:(rank+1)*n]",
@@ -254,9 +261,7 @@ pub(crate) unsafe fn run_blocks(
     // output overlapping the input is this rank's block (checked).
     unsafe {
         match c.coll {
-            Coll::ReduceScatter => {
-                arx.reduce_scatter_raw(c.input, c.out, c.n, c.dtype, op, stream)
-            }
+            Coll::ReduceScatter => arx.reduce_scatter_raw(c.input, c.out, c.n, c.dtype, op, stream),
             Coll::AllGather => arx.all_gather_raw(c.input, c.out, c.n, c.dtype, stream),
         }
     }

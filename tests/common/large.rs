@@ -141,12 +141,10 @@ pub fn reference<T: Element>(op: Op, inputs: &[Vec<T>]) -> Vec<T> {
             let b = widen(v);
             *a = match op {
                 Op::Max => {
-                    if *a > b {
-                        *a
-                    } else if b > *a {
+                    // b wins when larger, or equal with a being −0 (−0
+                    // below +0; equal nonzero values have one sign).
+                    if b > *a || (b == *a && a.is_sign_negative()) {
                         b
-                    } else if a.is_sign_negative() {
-                        b // equal: −0 below +0
                     } else {
                         *a
                     }
@@ -195,10 +193,10 @@ pub fn self_check() -> Result<(), String> {
     let cases: [(f32, u16, u16); 6] = [
         (1.0 + 2f32.powi(-11), 0x3c00, 0x3f80), // f16 tie -> even (1.0); bf16 rounds down
         (1.0 + 3.0 * 2f32.powi(-11), 0x3c02, 0x3f80), // f16 tie -> even (up)
-        (65519.0, 0x7bff, 0x4780),               // f16 just below the midpoint: max
-        (65520.0, 0x7c00, 0x4780),               // f16 the midpoint: infinity
-        (2f32.powi(-25), 0x0000, 0x3300),        // f16 tie at half the smallest subnormal -> 0
-        (1.0 + 2f32.powi(-8), 0x3c04, 0x3f80),   // bf16 tie -> even (1.0)
+        (65519.0, 0x7bff, 0x4780),              // f16 just below the midpoint: max
+        (65520.0, 0x7c00, 0x4780),              // f16 the midpoint: infinity
+        (2f32.powi(-25), 0x0000, 0x3300),       // f16 tie at half the smallest subnormal -> 0
+        (1.0 + 2f32.powi(-8), 0x3c04, 0x3f80),  // bf16 tie -> even (1.0)
     ];
     for (v, hf, hb) in cases {
         let (gf, gb) = (

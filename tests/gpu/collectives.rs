@@ -641,7 +641,8 @@ fn large_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
                     let mut buf = up(s, mine)?;
                     arx.allreduce_in_place_op(&mut buf, op, s)
                         .map_err(|x| format!("{}: {x}", what("in place")))?;
-                    arx.check().map_err(|x| format!("{}: {x}", what("in place")))?;
+                    arx.check()
+                        .map_err(|x| format!("{}: {x}", what("in place")))?;
                     same("in place", &down(s, &buf)?)?;
                     calls += 1;
                 }

@@ -318,7 +318,11 @@ pub(super) fn large_one_answer(ctx: &Ctx) -> Result<(), String> {
     large_of::<f32>(ctx, &mut insts, &mut call)
 }
 
-fn large_of<T: Element>(ctx: &Ctx, insts: &mut [(Algo, Arx)], call: &mut u64) -> Result<(), String> {
+fn large_of<T: Element>(
+    ctx: &Ctx,
+    insts: &mut [(Algo, Arx)],
+    call: &mut u64,
+) -> Result<(), String> {
     let m = insts[0].1.max_count::<T>();
     let big = (64 << 20) / std::mem::size_of::<T>();
     for count in [m + 1, 3 * m + 1, big] {

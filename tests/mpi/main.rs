@@ -49,13 +49,13 @@ use mpi::traits::*;
 
 mod chunked;
 mod collectives;
-#[path = "../common/verdict.rs"]
-mod verdict;
 mod failures;
 #[path = "../common/large.rs"]
 mod large;
 mod ops;
 mod stages;
+#[path = "../common/verdict.rs"]
+mod verdict;
 
 use chunked::*;
 use collectives::*;
@@ -329,8 +329,8 @@ fn child() -> ExitCode {
     // Cases named "large: ..." take minutes: they run only when a word of
     // ARX_TEST_CASES containing "large" selects them (never in the full run
     // nor a script's set).
-    let asked_large = std::env::var("ARX_TEST_CASES")
-        .is_ok_and(|v| v.split(',').any(|w| w.contains("large")));
+    let asked_large =
+        std::env::var("ARX_TEST_CASES").is_ok_and(|v| v.split(',').any(|w| w.contains("large")));
     let mut all_ok = true;
     for &(name, case) in &cases {
         if let Some((var, _)) = filters.iter().find(|(_, w)| !selects(w, name)) {
@@ -341,7 +341,10 @@ fn child() -> ExitCode {
         }
         if name.starts_with("large:") && !asked_large {
             if ctx.rank == 0 {
-                println!("  [{} ranks] {name}: NOT RUN (on request only: ARX_TEST_CASES=large)", ctx.n);
+                println!(
+                    "  [{} ranks] {name}: NOT RUN (on request only: ARX_TEST_CASES=large)",
+                    ctx.n
+                );
             }
             continue;
         }
