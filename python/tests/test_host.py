@@ -20,9 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 import arx
-from harness import (FAIL_TIMEOUT, PROMPT, RANK, SEED, SIZE, WORLD, ag_input, bits, case, check,
-                     expect_error, expected, main, narrow, note, op_expected, partial, poison,
-                     rs_expected, same_bits, widen, wrong)
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, ag_input, case, check, expect_error,
+                     expected, main, narrow, note, op_expected, partial, poison, rs_expected,
+                     same_bits, widen, wrong)
 
 
 def call_and_check(comm, case_id, n, dtype, in_place, name, shape=None, sub=None):
