@@ -1,5 +1,6 @@
 //! `-C reduce_scatter` and `-C all_gather`: arx's `reduce_scatter_host_op`
-//! and `all_gather_host` (out of place) on a host instance, beside
+//! and `all_gather_host` (out of place) on a host instance (GPU instance:
+//! module `gpu`), beside
 //! `MPI_Reduce_scatter_block` and `MPI_Allgather` on the same ranks, timed
 //! as the all-reduce host columns are (`-n` back-to-back calls after `-w`
 //! warm-ups; `-a`, `-I`, `--median` as there).
@@ -24,12 +25,15 @@
 //! order (and every rank's result must have rank 0's bits). The timed
 //! calls' last result, then three fresh inputs into poisoned outputs.
 //!
-//! GPU instances: not measured yet (the GPU side of these collectives is
-//! not in arx yet); `run` refuses them with that reason.
+//! GPU instances: module `gpu` times `reduce_scatter_op` / `all_gather`
+//! (and their in-place forms) on device buffers as it times the
+//! all-reduce, with the sizes above and this module's MPI calls and checks
+//! (`lens`, `mpi_call`, `mpi_check`) for its CUDA-staged MPI column.
 
 use arx::{verify, Arx, Element};
 use half::{bf16, f16};
 use mpi::collective::SystemOperation;
+use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 use super::report::{Check, Col, J};
@@ -73,7 +77,7 @@ impl Coll {
         }
     }
 
-    fn mpi_name(self) -> &'static str {
+    pub(super) fn mpi_name(self) -> &'static str {
         match self {
             Coll::AllReduce => "MPI_Allreduce",
             Coll::ReduceScatter => "MPI_Reduce_scatter_block",
@@ -237,10 +241,7 @@ fn arx_col<T: Element>(
     let (args, world, check, op) = (run.args, run.world, run.check, run.op);
     let rank = world.rank() as usize;
     let n = world.size() as usize;
-    let (in_len, out_len) = match coll {
-        Coll::ReduceScatter => (n * per, per),
-        _ => (per, n * per),
-    };
+    let (in_len, out_len) = lens(coll, n, per);
     let seed = 0x0c01_1ec7;
     let fail = |e: arx::Error| format!("{} of {per} x {:?} per rank: {e}", coll.name(), T::DTYPE);
     let call = |arx: &mut Arx, inp: &[T], out: &mut [T]| match coll {
@@ -288,43 +289,90 @@ fn arx_col<T: Element>(
     Ok(col)
 }
 
+/// (input, output) elements of one call of `coll` with `per` elements per
+/// rank's block over `n` ranks (all-reduce: `per` both).
+pub(super) fn lens(coll: Coll, n: usize, per: usize) -> (usize, usize) {
+    match coll {
+        Coll::AllReduce => (per, per),
+        Coll::ReduceScatter => (n * per, per),
+        Coll::AllGather => (per, n * per),
+    }
+}
+
+/// One MPI call of `coll` on floats (sum).
+pub(super) fn mpi_call(world: &SimpleCommunicator, coll: Coll, send: &[f32], recv: &mut [f32]) {
+    let sum = SystemOperation::sum();
+    match coll {
+        Coll::AllReduce => world.all_reduce_into(send, recv, sum),
+        Coll::ReduceScatter => world.reduce_scatter_block_into(send, recv, sum),
+        Coll::AllGather => world.all_gather_into(send, recv),
+    }
+}
+
+/// Whether the MPI column of `coll` is checked within the sum-order
+/// tolerance (a reduction), or bit for bit (all-gather).
+pub(super) fn mpi_tolerant(coll: Coll) -> bool {
+    coll != Coll::AllGather
+}
+
+/// (wrong, inexact) over all ranks of an MPI column's result `recv`, blocks
+/// of `floats`, every rank's input seeded by `call_no`. Collective.
+pub(super) fn mpi_check(
+    world: &SimpleCommunicator,
+    coll: Coll,
+    call_no: u64,
+    floats: usize,
+    recv: &[f32],
+) -> (u64, u64) {
+    let rank = world.rank() as usize;
+    let n = world.size() as usize;
+    let in_len = lens(coll, n, floats).0;
+    let inputs: Vec<Vec<f32>> = (0..n)
+        .map(|r| verify::input::<f32>(MPI_SEED, call_no, r, in_len))
+        .collect();
+    match coll {
+        Coll::AllReduce => {
+            let (want, tol) = check::want(&inputs, true);
+            check::tally(world, recv, &want, tol.as_deref())
+        }
+        Coll::ReduceScatter => {
+            let (want, tol) = check::want(&inputs, true);
+            let block = rank * floats..(rank + 1) * floats;
+            let tol = tol.map(|t| t[block.clone()].to_vec());
+            check::tally_own(world, recv, &want[block], tol.as_deref())
+        }
+        Coll::AllGather => (check::tally(world, recv, &inputs.concat(), None).0, 0),
+    }
+}
+
 /// The MPI column: blocks of `floats` floats (the arx block's bytes).
 fn mpi_col(run: &mut Run, coll: Coll, floats: usize) -> Result<Col, String> {
     let (args, world, check) = (run.args, run.world, run.check);
     let rank = world.rank() as usize;
     let n = world.size() as usize;
-    let (in_len, out_len) = match coll {
-        Coll::ReduceScatter => (n * floats, floats),
-        _ => (floats, n * floats),
-    };
+    let (in_len, out_len) = lens(coll, n, floats);
     // The call number is the block's size, as the all-reduce MPI column's
     // is its size.
     let call_no = (floats * n) as u64;
     let send = verify::input::<f32>(MPI_SEED, call_no, rank, in_len);
     let mut recv = vec![0f32; out_len];
-    let sum = SystemOperation::sum();
-    let call = |recv: &mut [f32]| match coll {
-        Coll::ReduceScatter => world.reduce_scatter_block_into(&send[..], recv, sum),
-        _ => world.all_gather_into(&send[..], recv),
-    };
     for _ in 0..args.warmup {
-        call(&mut recv);
+        mpi_call(world, coll, &send, &mut recv);
     }
     world.barrier();
     verify::poison(&mut recv);
     let (samples, mean) = back_to_back(args.iters.max(1), || {
-        call(&mut recv);
+        mpi_call(world, coll, &send, &mut recv);
         Ok(())
     })?;
     let (median_us, p99_us, time) = host_times(run, &samples, mean);
-    let tolerant = coll == Coll::ReduceScatter;
     let mut m = Col {
         name: coll.mpi_name(),
         placement: "out-of-place",
         median_us,
         p99_us,
         time_us: Some(time),
-        check: match (check, tolerant) {
+        check: match (check, mpi_tolerant(coll)) {
             (false, _) => Check::Off,
             (true, true) => Check::Tolerance,
             (true, false) => Check::Exact,
@@ -333,18 +381,7 @@ fn mpi_col(run: &mut Run, coll: Coll, floats: usize) -> Result<Col, String> {
         inexact: 0,
     };
     if check {
-        let inputs: Vec<Vec<f32>> = (0..n)
-            .map(|r| verify::input::<f32>(MPI_SEED, call_no, r, in_len))
-            .collect();
-        (m.wrong, m.inexact) = if tolerant {
-            let (want, tol) = check::want(&inputs, true);
-            let block = rank * floats..(rank + 1) * floats;
-            let tol = tol.map(|t| t[block.clone()].to_vec());
-            check::tally_own(world, &recv, &want[block], tol.as_deref())
-        } else {
-            let want: Vec<f32> = inputs.concat();
-            (check::tally(world, &recv, &want, None).0, 0)
-        };
+        (m.wrong, m.inexact) = mpi_check(world, coll, call_no, floats, &recv);
     }
     Ok(m)
 }

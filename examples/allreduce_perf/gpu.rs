@@ -1,5 +1,7 @@
 //! The GPU instance's columns: arx on device buffers (eager or graph
-//! replays), CUDA-staged `MPI_Allreduce`, and NCCL where it runs.
+//! replays), CUDA-staged MPI, and NCCL where it runs; for the all-reduce,
+//! and with `-C` for reduce-scatter and all-gather (sizes, MPI calls and
+//! their checks from module `colls`).
 
 use super::*;
 use nccl::{Nccl, Setup};
@@ -10,6 +12,15 @@ enum Who<'a> {
     Nccl(&'a Nccl),
 }
 
+/// What one call is: the collective (`-C`), the op, and this rank's place.
+#[derive(Clone, Copy)]
+struct Call {
+    coll: Coll,
+    op: arx::Op,
+    rank: usize,
+    n: usize,
+}
+
 impl Who<'_> {
     fn name(&self) -> &'static str {
         match self {
@@ -18,42 +29,69 @@ impl Who<'_> {
         }
     }
 
+    /// Out of place: `din` and `dout` of the lengths `colls::lens` gives.
     fn oop<T: Element + DeviceRepr>(
         &mut self,
+        c: Call,
         din: &CudaSlice<T>,
         dout: &mut CudaSlice<T>,
-        op: arx::Op,
         s: &Arc<CudaStream>,
     ) -> Result<(), String> {
         match self {
-            Who::Arx(a) => a.allreduce_op(din, dout, op, s).map_err(|e| e.to_string()),
+            Who::Arx(a) => match c.coll {
+                Coll::AllReduce => a.allreduce_op(din, dout, c.op, s),
+                Coll::ReduceScatter => a.reduce_scatter_op(din, dout, c.op, s),
+                Coll::AllGather => a.all_gather(din, dout, s),
+            }
+            .map_err(|e| e.to_string()),
             Who::Nccl(n) => {
+                let (in_len, out_len) = (din.len(), dout.len());
                 let (src, _a) = din.device_ptr(s);
                 let (dst, _b) = dout.device_ptr_mut(s);
-                // SAFETY: two device allocations of `din.len()` elements on
-                // this context; callers keep them (and any graph that
-                // captured this call) alive until the stream has run it.
-                unsafe { n.all_reduce(src, dst, din.len(), T::DTYPE, s) }
+                // SAFETY: two device allocations of the call's input and
+                // output lengths on this context; callers keep them (and
+                // any graph that captured this call) alive until the stream
+                // has run it.
+                unsafe {
+                    match c.coll {
+                        Coll::AllReduce => n.all_reduce(src, dst, in_len, T::DTYPE, s),
+                        Coll::ReduceScatter => n.reduce_scatter(src, dst, out_len, T::DTYPE, s),
+                        Coll::AllGather => n.all_gather(src, dst, in_len, T::DTYPE, s),
+                    }
+                }
             }
         }
     }
 
+    /// In place in `buf` (reduce-scatter and all-gather: N blocks, this
+    /// rank's block the output, resp. the input, as NCCL defines it).
     fn inp<T: Element + DeviceRepr>(
         &mut self,
+        c: Call,
         buf: &mut CudaSlice<T>,
-        op: arx::Op,
         s: &Arc<CudaStream>,
     ) -> Result<(), String> {
         match self {
-            Who::Arx(a) => a
-                .allreduce_in_place_op(buf, op, s)
-                .map_err(|e| e.to_string()),
+            Who::Arx(a) => match c.coll {
+                Coll::AllReduce => a.allreduce_in_place_op(buf, c.op, s),
+                Coll::ReduceScatter => a.reduce_scatter_in_place_op(buf, c.op, s),
+                Coll::AllGather => a.all_gather_in_place(buf, s),
+            }
+            .map_err(|e| e.to_string()),
             Who::Nccl(n) => {
                 let len = buf.len();
+                let per = len / c.n.max(1);
                 let (p, _g) = buf.device_ptr_mut(s);
-                // SAFETY: as in `oop`, one allocation read and written in
-                // place.
-                unsafe { n.all_reduce(p, p, len, T::DTYPE, s) }
+                let own = p + (c.rank * per * std::mem::size_of::<T>()) as u64;
+                // SAFETY: as in `oop`, one allocation of N blocks (all-reduce:
+                // one), read and written in place.
+                unsafe {
+                    match c.coll {
+                        Coll::AllReduce => n.all_reduce(p, p, len, T::DTYPE, s),
+                        Coll::ReduceScatter => n.reduce_scatter(p, own, per, T::DTYPE, s),
+                        Coll::AllGather => n.all_gather(own, p, per, T::DTYPE, s),
+                    }
+                }
             }
         }
     }
@@ -79,7 +117,7 @@ struct GpuRow {
     nccl: Option<(Col, Col)>,
 }
 
-fn gpu_layout(args: &Args, nccl: bool) -> Layout {
+fn gpu_layout(args: &Args, coll: Coll, nccl: bool) -> Layout {
     let g = fields(Kind::Gpu, args.per_iter);
     let mut l = vec![
         ("arx out-of-place".to_string(), g.clone()),
@@ -87,7 +125,7 @@ fn gpu_layout(args: &Args, nccl: bool) -> Layout {
     ];
     if !args.no_mpi {
         l.push((
-            "CUDA-staged MPI_Allreduce".into(),
+            format!("CUDA-staged {}", coll.mpi_name()),
             fields(Kind::Staged, args.per_iter),
         ));
         l.push(("".into(), vec![("speedup", "(x)", 7)]));
@@ -156,7 +194,11 @@ pub(super) fn run_gpu(
     dtypes: &[&'static str],
     sizes: &[usize],
 ) -> Result<u64, String> {
-    let (args, world) = (run.args, run.world);
+    let (args, world, coll) = (run.args, run.world, run.coll);
+    if coll == Coll::AllGather && run.op != arx::Op::Sum {
+        return Err(format!("-o {}: all_gather has no reduction", run.op));
+    }
+    let n = world.size() as usize;
     let ctx = arx
         .cuda_context()
         .ok_or("no CUDA context on a GPU instance")?
@@ -190,11 +232,25 @@ pub(super) fn run_gpu(
                 .collect(),
         );
         println!("# arx staging: {staging}");
+        r.set("collective", J::s(coll.name()));
+        if coll != Coll::AllReduce {
+            r.set(
+                "size_rule",
+                J::s("nccl-tests: size = the whole buffer (N blocks); count = elements per rank's block, rounded down to a multiple of 4"),
+            );
+            println!(
+                "# arx: {}, out of place and in place (NCCL's in-place rule: this rank's block of the N-block buffer); size = the whole {} of {n} blocks (nccl-tests' {}_perf convention); count = elements per rank's block (rounded down to a multiple of 4); busbw = algbw x (N-1)/N",
+                if coll == Coll::ReduceScatter { "reduce_scatter_op" } else { "all_gather" },
+                if coll == Coll::ReduceScatter { "send buffer" } else { "receive buffer" },
+                coll.name()
+            );
+        }
         match &nccl {
             Setup::On(n) => {
                 println!(
-                    "# NCCL {}: ncclAllReduce beside arx, same buffers' sizes, same timing | {}",
+                    "# NCCL {}: {} beside arx, same buffers' sizes, same timing | {}",
                     n.version,
+                    nccl_call(coll),
                     set_line.join(" ")
                 );
                 r.set(
@@ -229,26 +285,42 @@ pub(super) fn run_gpu(
         }
         println!("# algbw and busbw from time; arx checked bit for bit, NCCL and MPI within the sum-order tolerance (docs/BENCHMARKS.md)");
         if !args.no_mpi {
-            println!("# CUDA-staged MPI_Allreduce: D2H to pinned memory, MPI_Allreduce float sum of the same bytes, H2D, stream sync; lat = median (after an MPI barrier each); speedup = its lat / arx out-of-place lat");
+            let m = coll.mpi_name();
+            println!(
+                "# CUDA-staged {m}: D2H to pinned memory, {m} {} of the same bytes, H2D, stream sync; lat = median (after an MPI barrier each); speedup = its lat / arx out-of-place lat",
+                if coll == Coll::AllGather { "of floats" } else { "float sum" }
+            );
         }
         println!("#");
-        print_table_header(&gpu_layout(args, matches!(nccl, Setup::On(_))));
+        print_table_header(&gpu_layout(args, coll, matches!(nccl, Setup::On(_))));
     }
     let nccl = match &nccl {
         Setup::On(n) => Some(n),
         Setup::Off(_) => None,
     };
     let launch = if args.graph > 0 { "graph" } else { "eager" };
-    let n = world.size() as usize;
     let mut total_wrong = 0;
     for &dt in dtypes {
+        let esize = if dt == "float" { 4 } else { 2 };
         for &size in sizes {
-            let row = match dt {
-                "bfloat16" => measure_gpu::<bf16>(run, arx, nccl, &s, size)?,
-                "half" => measure_gpu::<f16>(run, arx, nccl, &s, size)?,
-                _ => measure_gpu::<f32>(run, arx, nccl, &s, size)?,
+            // Elements per rank's block (all-reduce: the whole call), the
+            // size shown, and the staged MPI call's floats per block and
+            // seed (as the host columns' MPI calls).
+            let (per, shown, mpi) = if coll == Coll::AllReduce {
+                (size / esize, size, (size.div_ceil(4), size as u64))
+            } else {
+                let per = colls::block_count(size, esize, n);
+                let floats = per * esize / 4;
+                (per, per * n * esize, (floats, (floats * n) as u64))
             };
-            let Some(row) = row else { continue };
+            if per == 0 {
+                continue;
+            }
+            let row = match dt {
+                "bfloat16" => measure_gpu::<bf16>(run, arx, nccl, &s, per, mpi)?,
+                "half" => measure_gpu::<f16>(run, arx, nccl, &s, per, mpi)?,
+                _ => measure_gpu::<f32>(run, arx, nccl, &s, per, mpi)?,
+            };
             let mut cols = vec![&row.oop, &row.inp];
             cols.extend(row.mpi.as_ref());
             if let Some((a, b)) = &row.nccl {
@@ -257,13 +329,12 @@ pub(super) fn run_gpu(
             total_wrong += cols.iter().map(|c| c.wrong).sum::<u64>();
             if world.rank() == 0 {
                 let pi = args.per_iter;
-                let count = size / if dt == "float" { 4 } else { 2 };
-                let gpu = |c: &Col| (widths(Kind::Gpu, pi), cells(Kind::Gpu, pi, c, size, n));
+                let gpu = |c: &Col| (widths(Kind::Gpu, pi), cells(Kind::Gpu, pi, c, shown, n));
                 let mut g = vec![gpu(&row.oop), gpu(&row.inp)];
                 if let Some(m) = &row.mpi {
                     g.push((
                         widths(Kind::Staged, pi),
-                        cells(Kind::Staged, pi, m, size, n),
+                        cells(Kind::Staged, pi, m, shown, n),
                     ));
                     let sp = match (m.median_us, row.oop.median_us) {
                         (Some(a), Some(b)) => format!("{:.1}", a / b),
@@ -274,9 +345,14 @@ pub(super) fn run_gpu(
                 if let Some((a, b)) = &row.nccl {
                     g.extend([gpu(a), gpu(b)]);
                 }
-                print_table_row(size, count, dt, run.op, &g);
+                let redop = if coll == Coll::AllGather {
+                    "none"
+                } else {
+                    run.op.name()
+                };
+                print_table_row_redop(shown, per, dt, redop, &g);
                 for c in cols {
-                    run.report.record(size, count, dt, launch, n, c);
+                    run.report.record(shown, per, dt, launch, n, c);
                 }
             }
         }
@@ -376,37 +452,45 @@ fn inputs<T: Element>(seed: u64, call: u64, n: usize, count: usize) -> Vec<Vec<T
         .collect()
 }
 
+/// NCCL's call for `coll`.
+fn nccl_call(coll: Coll) -> &'static str {
+    match coll {
+        Coll::AllReduce => "ncclAllReduce",
+        Coll::ReduceScatter => "ncclReduceScatter",
+        Coll::AllGather => "ncclAllGather",
+    }
+}
+
+/// One row: blocks of `per` elements per rank (all-reduce: `per` elements);
+/// `mpi` = (floats per block, seed call number) of the staged MPI column.
 fn measure_gpu<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     run: &mut Run,
     arx: &mut Arx,
     nccl: Option<&Nccl>,
     s: &Arc<CudaStream>,
-    size: usize,
-) -> Result<Option<GpuRow>, String> {
-    let count = size / std::mem::size_of::<T>();
-    if count == 0 {
-        return Ok(None);
-    }
-    let oop = gpu_col::<T>(run, &mut Who::Arx(arx), s, false, count)?;
-    let inp = gpu_col::<T>(run, &mut Who::Arx(arx), s, true, count)?;
+    per: usize,
+    mpi: (usize, u64),
+) -> Result<GpuRow, String> {
+    let oop = gpu_col::<T>(run, &mut Who::Arx(arx), s, false, per)?;
+    let inp = gpu_col::<T>(run, &mut Who::Arx(arx), s, true, per)?;
     let mpi = if run.args.no_mpi {
         None
     } else {
-        Some(staged_mpi(run, s, size)?)
+        Some(staged_mpi(run, s, mpi.0, mpi.1)?)
     };
     let nccl = match nccl {
         Some(n) => Some((
-            gpu_col::<T>(run, &mut Who::Nccl(n), s, false, count)?,
-            gpu_col::<T>(run, &mut Who::Nccl(n), s, true, count)?,
+            gpu_col::<T>(run, &mut Who::Nccl(n), s, false, per)?,
+            gpu_col::<T>(run, &mut Who::Nccl(n), s, true, per)?,
         )),
         None => None,
     };
-    Ok(Some(GpuRow {
+    Ok(GpuRow {
         oop,
         inp,
         mpi,
         nccl,
-    }))
+    })
 }
 
 /// One call (out of place into `out`, or in place in `a`).
@@ -415,47 +499,144 @@ fn one<T: Element + DeviceRepr>(
     s: &Arc<CudaStream>,
     a: &mut CudaSlice<T>,
     out: Option<&mut CudaSlice<T>>,
-    op: arx::Op,
+    c: Call,
 ) -> Result<(), String> {
     match out {
-        Some(o) => who.oop(a, o, op, s),
-        None => who.inp(a, op, s),
+        Some(o) => who.oop(c, a, o, s),
+        None => who.inp(c, a, s),
     }
 }
 
-/// One column at one size: timed, then (`--check`) checked. Out of place:
-/// the timed calls' last result, then three fresh inputs into poisoned
-/// outputs through the same eager call or graph. In place: the buffer
-/// holds the previous sum at each timed call (nccl-tests does the same);
-/// three fresh inputs are checked, and a graph of k in-place calls sums k
-/// times, and so does its reference.
+/// This rank's buffer `a` for call `call` (blocks of `per`): its input, or
+/// in place the N-block buffer (all-gather: its input in this rank's block,
+/// the other blocks poisoned).
+fn first_buffer<T: Element>(c: Call, seed: u64, call: u64, in_place: bool, per: usize) -> Vec<T> {
+    let (in_len, out_len) = colls::lens(c.coll, c.n, per);
+    if in_place && c.coll == Coll::AllGather {
+        let mut v = vec![T::from_f32(0.0); out_len];
+        verify::poison(&mut v);
+        v[c.rank * per..(c.rank + 1) * per]
+            .copy_from_slice(&verify::input::<T>(seed, call, c.rank, per));
+        return v;
+    }
+    verify::input(seed, call, c.rank, in_len)
+}
+
+/// The reference (and, `tolerant`, the per-element bound) of what this
+/// rank holds after `k` calls of call `call` (in place: a graph of `k`
+/// calls, each on the previous one's buffer; out of place `k` is 1): the
+/// output, or in place the whole buffer (the other blocks unchanged).
+/// Built from every rank's seeded inputs, not from any arx call.
+fn reference<T: Element>(
+    c: Call,
+    seed: u64,
+    call: u64,
+    per: usize,
+    in_place: bool,
+    k: usize,
+    tolerant: bool,
+) -> (Vec<T>, Option<Vec<f64>>) {
+    let (in_len, _) = colls::lens(c.coll, c.n, per);
+    let mut bufs = inputs::<T>(seed, call, c.n, in_len);
+    let steps = if in_place { k.max(1) } else { 1 };
+    match c.coll {
+        Coll::AllReduce => {
+            let (mut want, mut tol) = check::want_op(c.op, &bufs, tolerant);
+            // Every rank holds the previous result at each call after the
+            // first of the unit.
+            for _ in 1..steps {
+                (want, tol) = if c.op == arx::Op::Sum {
+                    check::chain(&want, tol.as_deref(), c.n)
+                } else {
+                    (verify::reference_op(c.op, &vec![want; c.n]), None)
+                };
+            }
+            (want, tol)
+        }
+        // Bits unchanged, for NCCL too; repeated in place, the same.
+        Coll::AllGather => (bufs.concat(), None),
+        Coll::ReduceScatter => {
+            let mine = c.rank * per..(c.rank + 1) * per;
+            let (mut full, mut tol) = (vec![], None::<Vec<f64>>);
+            for step in 0..steps {
+                if step > 0 {
+                    // Each rank's own block now holds its result.
+                    for (q, b) in bufs.iter_mut().enumerate() {
+                        b[q * per..(q + 1) * per].copy_from_slice(&full[q * per..(q + 1) * per]);
+                    }
+                }
+                let (w, t) = check::want_op(c.op, &bufs, tolerant);
+                // One input of each block (its owner's) is off by the
+                // previous bound: carried twice over, generously.
+                tol = match (t, tol) {
+                    (Some(t), Some(p)) => {
+                        Some(t.iter().zip(&p).map(|(a, b)| a + 2.0 * b).collect())
+                    }
+                    (t, _) => t,
+                };
+                full = w;
+            }
+            if in_place {
+                let mut want = bufs.swap_remove(c.rank);
+                want[mine.clone()].copy_from_slice(&full[mine.clone()]);
+                let tol = tol.map(|t| {
+                    let mut z = vec![0.0; want.len()];
+                    z[mine.clone()].copy_from_slice(&t[mine.clone()]);
+                    z
+                });
+                (want, tol)
+            } else {
+                (full[mine.clone()].to_vec(), tol.map(|t| t[mine].to_vec()))
+            }
+        }
+    }
+}
+
+/// One column at one size (blocks of `per`; all-reduce: `per` elements):
+/// timed, then (`--check`) checked. Out of place: the timed calls' last
+/// result, then three fresh inputs into poisoned outputs through the same
+/// eager call or graph. In place: the buffer holds the previous result at
+/// each timed call (nccl-tests does the same); three fresh inputs are
+/// checked, and a graph of k in-place calls runs k times on its own
+/// results, and so does its reference (`reference`).
 fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     run: &mut Run,
     who: &mut Who,
     s: &Arc<CudaStream>,
     in_place: bool,
-    count: usize,
+    per: usize,
 ) -> Result<Col, String> {
-    let (args, world, check, op) = (run.args, run.world, run.check, run.op);
-    let rank = world.rank() as usize;
-    let n = world.size() as usize;
+    let (args, world, check) = (run.args, run.world, run.check);
+    let c = Call {
+        coll: run.coll,
+        op: run.op,
+        rank: world.rank() as usize,
+        n: world.size() as usize,
+    };
     let seed = 0xa11_0ced;
     // NCCL: checked within the sum-order tolerance, warmed up before capture.
     let nccl = matches!(who, Who::Nccl(_));
     let name = who.name();
     let placement = if in_place { "in-place" } else { "out-of-place" };
-    let ctx = |e: String| format!("{name} {placement}, {count} x {:?}: {e}", T::DTYPE);
+    let ctx = |e: String| {
+        format!(
+            "{name} {} {placement}, {per} x {:?}: {e}",
+            c.coll.name(),
+            T::DTYPE
+        )
+    };
     let per_unit = args.graph.max(1);
+    let out_len = colls::lens(c.coll, c.n, per).1;
 
     run.call += 1;
     let timed_call = run.call;
     let mut a = s
-        .clone_htod(&verify::input::<T>(seed, timed_call, rank, count))
+        .clone_htod(&first_buffer::<T>(c, seed, timed_call, in_place, per))
         .map_err(cuda("htod"))?;
     let mut b = if in_place {
         None
     } else {
-        let mut o = s.alloc_zeros::<T>(count).map_err(cuda("alloc"))?;
+        let mut o = s.alloc_zeros::<T>(out_len).map_err(cuda("alloc"))?;
         poison_dev(s, &mut o)?;
         Some(o)
     };
@@ -463,28 +644,30 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
         // NCCL connects its transports at a communicator's first call of
         // each algorithm (NCCL_RUNTIME_CONNECT), host work that does not
         // belong inside a stream capture: one eager call first.
-        one(who, s, &mut a, b.as_mut(), op).map_err(ctx)?;
+        one(who, s, &mut a, b.as_mut(), c).map_err(ctx)?;
         s.synchronize().map_err(cuda("synchronize"))?;
     }
     let graph = if args.graph > 0 {
-        Some(capture(s, args.graph, || one(who, s, &mut a, b.as_mut(), op)).map_err(ctx)?)
+        Some(capture(s, args.graph, || one(who, s, &mut a, b.as_mut(), c)).map_err(ctx)?)
     } else {
         None
     };
     let unit = |who: &mut Who, a: &mut CudaSlice<T>, b: Option<&mut CudaSlice<T>>| match &graph {
-        None => one(who, s, a, b, op),
+        None => one(who, s, a, b, c),
         Some(g) => g.launch().map_err(cuda("graph launch")),
     };
     let (med, p99, time) =
         time_units(args, world, s, per_unit, || unit(who, &mut a, b.as_mut())).map_err(ctx)?;
     who.check().map_err(ctx)?;
+    // NCCL's reductions add in another order; its all-gather moves bits.
+    let tolerant = nccl && c.coll != Coll::AllGather;
     let mut col = Col {
         name,
         placement,
         median_us: Some(med),
         p99_us: args.per_iter.then_some(p99),
         time_us: Some(time),
-        check: match (check, nccl) {
+        check: match (check, tolerant) {
             (false, _) => Check::Off,
             (true, false) => Check::Exact,
             (true, true) => Check::Tolerance,
@@ -493,38 +676,31 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
         inexact: 0,
     };
     if check {
+        // Reduce-scatter results differ by rank (no digest comparison).
+        let tally = |got: &[T], want: &[T], tol: Option<&[f64]>| match c.coll {
+            Coll::ReduceScatter => check::tally_own(world, got, want, tol),
+            _ => check::tally(world, got, want, tol),
+        };
         let mut add = |(w, i): (u64, u64)| {
             col.wrong += w;
             col.inexact += i;
         };
         if let Some(out) = b.as_ref() {
-            let (want, tol) = check::want_op(op, &inputs::<T>(seed, timed_call, n, count), nccl);
-            add(check::tally(world, &down(s, out)?, &want, tol.as_deref()));
+            let (want, tol) = reference::<T>(c, seed, timed_call, per, false, 1, tolerant);
+            add(tally(&down(s, out)?, &want, tol.as_deref()));
         }
         for _ in 0..3 {
             run.call += 1;
-            s.memcpy_htod(&verify::input::<T>(seed, run.call, rank, count), &mut a)
+            s.memcpy_htod(&first_buffer::<T>(c, seed, run.call, in_place, per), &mut a)
                 .map_err(cuda("htod"))?;
             if let Some(out) = b.as_mut() {
                 poison_dev(s, out)?;
             }
             unit(who, &mut a, b.as_mut()).map_err(ctx)?;
             who.check().map_err(ctx)?;
-            let (mut want, mut tol) =
-                check::want_op(op, &inputs::<T>(seed, run.call, n, count), nccl);
-            if in_place {
-                // Every rank holds the previous result at each call after
-                // the first of the unit.
-                for _ in 1..per_unit {
-                    (want, tol) = if op == arx::Op::Sum {
-                        check::chain(&want, tol.as_deref(), n)
-                    } else {
-                        (verify::reference_op(op, &vec![want; n]), None)
-                    };
-                }
-            }
+            let (want, tol) = reference::<T>(c, seed, run.call, per, in_place, per_unit, tolerant);
             let got = down(s, b.as_ref().unwrap_or(&a))?;
-            add(check::tally(world, &got, &want, tol.as_deref()));
+            add(tally(&got, &want, tol.as_deref()));
         }
     }
     // The graph goes before the buffers it captured.
@@ -532,31 +708,38 @@ fn gpu_col<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     Ok(col)
 }
 
-/// CUDA-staged `MPI_Allreduce` of `size` bytes of floats: D2H to pinned
-/// memory, MPI_Allreduce, H2D, synchronize; median (and p99) by `-a`;
-/// the last result checked within the sum-order tolerance.
-fn staged_mpi(run: &mut Run, s: &Arc<CudaStream>, size: usize) -> Result<Col, String> {
-    let (args, world, check) = (run.args, run.world, run.check);
-    let floats = size.div_ceil(4);
+/// CUDA-staged MPI call of the run's collective (`colls::mpi_call`) on
+/// blocks of `floats` floats (all-reduce: `floats` floats), inputs seeded
+/// by `call_no`: D2H to pinned memory, the MPI call, H2D, synchronize;
+/// median (and p99) by `-a`; the last result checked as the host MPI
+/// columns are (`colls::mpi_check`).
+fn staged_mpi(
+    run: &mut Run,
+    s: &Arc<CudaStream>,
+    floats: usize,
+    call_no: u64,
+) -> Result<Col, String> {
+    let (args, world, check, coll) = (run.args, run.world, run.check, run.coll);
     let n = world.size() as usize;
+    let (in_len, out_len) = colls::lens(coll, n, floats);
     let ctx = s.context();
     let dsrc = s
         .clone_htod(&verify::input::<f32>(
             MPI_SEED,
-            size as u64,
+            call_no,
             world.rank() as usize,
-            floats,
+            in_len,
         ))
         .map_err(cuda("htod"))?;
-    let mut ddst = s.alloc_zeros::<f32>(floats).map_err(cuda("alloc"))?;
+    let mut ddst = s.alloc_zeros::<f32>(out_len).map_err(cuda("alloc"))?;
     poison_dev(s, &mut ddst)?;
     // SAFETY: page-locked buffers whose contents are written (D2H copy,
-    // MPI_Allreduce) before they are read.
+    // the MPI call) before they are read.
     let mut hin =
-        unsafe { ctx.alloc_pinned_with_flags::<f32>(floats, 0) }.map_err(cuda("pinned"))?;
+        unsafe { ctx.alloc_pinned_with_flags::<f32>(in_len, 0) }.map_err(cuda("pinned"))?;
     // SAFETY: as above.
     let mut hout =
-        unsafe { ctx.alloc_pinned_with_flags::<f32>(floats, 0) }.map_err(cuda("pinned"))?;
+        unsafe { ctx.alloc_pinned_with_flags::<f32>(out_len, 0) }.map_err(cuda("pinned"))?;
     let iters = args.iters.max(1);
     let mut lat = Vec::with_capacity(iters);
     for it in 0..args.warmup + iters {
@@ -567,7 +750,7 @@ fn staged_mpi(run: &mut Run, s: &Arc<CudaStream>, size: usize) -> Result<Col, St
         {
             let a = hin.as_slice().map_err(cuda("pinned"))?;
             let b = hout.as_mut_slice().map_err(cuda("pinned"))?;
-            world.all_reduce_into(a, b, mpi::collective::SystemOperation::sum());
+            colls::mpi_call(world, coll, a, b);
         }
         s.memcpy_htod(&hout, &mut ddst).map_err(cuda("htod"))?;
         s.synchronize().map_err(cuda("synchronize"))?;
@@ -576,22 +759,87 @@ fn staged_mpi(run: &mut Run, s: &Arc<CudaStream>, size: usize) -> Result<Col, St
         }
     }
     let (med, p99) = stats::samples(world, args.across, &lat);
+    let name: &'static str = match coll {
+        Coll::AllReduce => "CUDA-staged MPI_Allreduce",
+        Coll::ReduceScatter => "CUDA-staged MPI_Reduce_scatter_block",
+        Coll::AllGather => "CUDA-staged MPI_Allgather",
+    };
     let mut col = Col {
-        name: "CUDA-staged MPI_Allreduce",
+        name,
         placement: "out-of-place",
         median_us: Some(med),
         p99_us: args.per_iter.then_some(p99),
         time_us: None,
-        check: if check { Check::Tolerance } else { Check::Off },
+        check: match (check, colls::mpi_tolerant(coll)) {
+            (false, _) => Check::Off,
+            (true, true) => Check::Tolerance,
+            (true, false) => Check::Exact,
+        },
         wrong: 0,
         inexact: 0,
     };
     if check {
-        let inputs: Vec<Vec<f32>> = (0..n)
-            .map(|r| verify::input::<f32>(MPI_SEED, size as u64, r, floats))
-            .collect();
-        let (want, tol) = check::want(&inputs, true);
-        (col.wrong, col.inexact) = check::tally(world, &down(s, &ddst)?, &want, tol.as_deref());
+        (col.wrong, col.inexact) = colls::mpi_check(world, coll, call_no, floats, &down(s, &ddst)?);
     }
     Ok(col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(coll: Coll, rank: usize) -> Call {
+        Call {
+            coll,
+            op: arx::Op::Sum,
+            rank,
+            n: 3,
+        }
+    }
+
+    #[test]
+    fn in_place_references_follow_nccl_rules() {
+        let (seed, k, per) = (7, 11, 8);
+        for rank in 0..3 {
+            let rs = call(Coll::ReduceScatter, rank);
+            let (oop, _) = reference::<f32>(rs, seed, k, per, false, 1, false);
+            let (inp, _) = reference::<f32>(rs, seed, k, per, true, 1, false);
+            let mine = verify::input::<f32>(seed, k, rank, 3 * per);
+            let own = rank * per..(rank + 1) * per;
+            assert_eq!(oop.len(), per);
+            // In place: this rank's block is the result, the others stay.
+            assert_eq!(inp[own.clone()], oop[..]);
+            for q in (0..3).filter(|&q| q != rank) {
+                assert_eq!(inp[q * per..(q + 1) * per], mine[q * per..(q + 1) * per]);
+            }
+            // A second in-place call reduces the first one's buffers: block
+            // r adds rank r's result and the others' untouched inputs.
+            let (two, tol) = reference::<f32>(rs, seed, k, per, true, 2, true);
+            let tol = tol.expect("tolerant");
+            assert!(tol[own.clone()].iter().all(|&t| t > 0.0));
+            assert!(tol
+                .iter()
+                .enumerate()
+                .all(|(i, &t)| own.contains(&i) || t == 0.0));
+            let all: Vec<Vec<f32>> = (0..3).map(|r| verify::input(seed, k, r, 3 * per)).collect();
+            let first = verify::reference(&all);
+            let mut second: Vec<Vec<f32>> = all.clone();
+            for (q, b) in second.iter_mut().enumerate() {
+                b[q * per..(q + 1) * per].copy_from_slice(&first[q * per..(q + 1) * per]);
+            }
+            assert_eq!(two[own.clone()], verify::reference(&second)[own]);
+            // All-gather: every rank's block, in place or not, any k.
+            let ag = call(Coll::AllGather, rank);
+            let want: Vec<f32> = (0..3)
+                .flat_map(|r| verify::input(seed, k, r, per))
+                .collect();
+            assert_eq!(reference::<f32>(ag, seed, k, per, false, 1, true).0, want);
+            assert_eq!(reference::<f32>(ag, seed, k, per, true, 3, true).0, want);
+            let buf = first_buffer::<f32>(ag, seed, k, true, per);
+            assert_eq!(
+                buf[rank * per..(rank + 1) * per],
+                want[rank * per..(rank + 1) * per]
+            );
+        }
+    }
 }

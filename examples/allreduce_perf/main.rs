@@ -56,8 +56,13 @@
 //! **Collectives** (`-C`, module `colls`): `reduce_scatter` and
 //! `all_gather` time `reduce_scatter_host_op` / `all_gather_host` on a host
 //! instance beside `MPI_Reduce_scatter_block` / `MPI_Allgather`, sizes as
-//! nccl-tests' reduce_scatter_perf / all_gather_perf (the whole buffer);
-//! not measured on GPU instances yet (refused, saying so).
+//! nccl-tests' reduce_scatter_perf / all_gather_perf (the whole buffer).
+//! On a GPU instance they are timed exactly as the all-reduce is there
+//! (module `gpu`): `reduce_scatter_op` / `all_gather` out of place and
+//! `reduce_scatter_in_place_op` / `all_gather_in_place` in place (NCCL's
+//! rule: this rank's block of the N-block buffer), eager or `-G` graph
+//! replays, beside CUDA-staged `MPI_Reduce_scatter_block` /
+//! `MPI_Allgather` and NCCL's `ncclReduceScatter` / `ncclAllGather`.
 //!
 //! `--check` (or `-c 1`, module `check`) validates every size and column
 //! against the independent reference of `arx::verify` on every rank (seeded
@@ -177,8 +182,9 @@ struct Args {
     #[arg(short = 'A', long = "algo")]
     algo: Option<String>,
     /// Collective: allreduce (default), reduce_scatter or all_gather
-    /// (out of place; size = the whole buffer as in nccl-tests'
-    /// reduce_scatter_perf / all_gather_perf; host instances only so far).
+    /// (size = the whole buffer as in nccl-tests' reduce_scatter_perf /
+    /// all_gather_perf; host instances out of place, GPU instances out of
+    /// place and in place, eager or -G).
     #[arg(short = 'C', long = "collective", default_value = "allreduce")]
     coll: String,
     #[arg(skip = Across::Slowest)]
@@ -193,6 +199,8 @@ struct Run<'a> {
     report: Report,
     call: u64,
     op: arx::Op,
+    /// `-C`: the collective timed.
+    coll: Coll,
 }
 
 fn main() -> ExitCode {
@@ -307,9 +315,9 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
             coll.name()
         ));
     }
-    if coll != Coll::AllReduce && (args.stages || args.graph > 0) {
+    if coll != Coll::AllReduce && args.stages {
         return Err(format!(
-            "-C {}: --stages and -G time all-reduce calls only",
+            "-C {}: --stages times all-reduce calls only",
             coll.name()
         ));
     }
@@ -336,12 +344,6 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         specs[0].1
     })?;
     let gpu = arx.cuda_context().is_some();
-    if gpu && coll != Coll::AllReduce {
-        return Err(format!(
-            "-C {}: not measured on a GPU instance yet (allreduce_perf times the host side of reduce_scatter / all_gather only); run a host instance (ARX_DEVICE=host)",
-            coll.name()
-        ));
-    }
     if gpu && specs.len() > 1 {
         return Err(format!(
             "-A {}: a GPU instance times one algorithm per run: -A oneshot, -A twoshot or -A auto",
@@ -360,6 +362,7 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         report: Report::default(),
         call: 0,
         op,
+        coll,
     };
     let mut sizes = vec![];
     let mut size = min;
@@ -369,8 +372,6 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
     }
     let wrong = if args.stages {
         stages::run_stages(&mut run, &mut arx, &dtypes, max)?
-    } else if coll != Coll::AllReduce {
-        colls::run_host_coll(&mut run, &mut arx, coll, &dtypes, &sizes)?
     } else if gpu {
         run_gpu(&mut run, &mut arx, &dtypes, &sizes)?
     } else if args.graph > 0 {
@@ -378,6 +379,8 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
             "-G {}: CUDA graphs need a GPU instance; this one runs the host device side",
             args.graph
         ));
+    } else if coll != Coll::AllReduce {
+        colls::run_host_coll(&mut run, &mut arx, coll, &dtypes, &sizes)?
     } else {
         let mut insts: Vec<Inst> = std::iter::once(arx)
             .chain(more)

@@ -1,4 +1,5 @@
-//! NCCL's `ncclAllReduce` beside arx on a GPU instance, through cudarc's
+//! NCCL's `ncclAllReduce` (and, for `-C`, `ncclReduceScatter` /
+//! `ncclAllGather`) beside arx on a GPU instance, through cudarc's
 //! `nccl` module with dynamic loading: libnccl is opened at run time, never
 //! linked, and the arx library itself never names NCCL.
 //!
@@ -338,13 +339,71 @@ impl Nccl {
                 s.cu_stream() as sys::cudaStream_t,
             )
         };
+        self.result("ncclAllReduce", r)
+    }
+
+    /// `ncclReduceScatter` (sum): `send` holds N·`count` elements, `recv`
+    /// `count` (in place: `recv` is `send` + rank·`count` elements).
+    ///
+    /// # Safety
+    /// As [`Nccl::all_reduce`], for those lengths.
+    pub(super) unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: Dtype,
+        s: &CudaStream,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's contract; the stream belongs to the
+        // communicator's device.
+        let r = unsafe {
+            sys::ncclReduceScatter(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                nccl_type(dtype),
+                sys::ncclRedOp_t::ncclSum,
+                self.comm.0,
+                s.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        self.result("ncclReduceScatter", r)
+    }
+
+    /// `ncclAllGather`: `send` holds `count` elements, `recv` N·`count`
+    /// (in place: `send` is `recv` + rank·`count` elements).
+    ///
+    /// # Safety
+    /// As [`Nccl::all_reduce`], for those lengths.
+    pub(super) unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: Dtype,
+        s: &CudaStream,
+    ) -> Result<(), String> {
+        // SAFETY: the caller's contract; the stream belongs to the
+        // communicator's device.
+        let r = unsafe {
+            sys::ncclAllGather(
+                send as *const c_void,
+                recv as *mut c_void,
+                count,
+                nccl_type(dtype),
+                self.comm.0,
+                s.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        self.result("ncclAllGather", r)
+    }
+
+    fn result(&self, call: &str, r: sys::ncclResult_t) -> Result<(), String> {
         if r == sys::ncclResult_t::ncclSuccess {
             Ok(())
         } else {
-            Err(format!(
-                "ncclAllReduce: {}",
-                error_text(r, Some(self.comm.0))
-            ))
+            Err(format!("{call}: {}", error_text(r, Some(self.comm.0))))
         }
     }
 

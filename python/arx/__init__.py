@@ -15,7 +15,7 @@ CPU torch tensors, and CUDA torch tensors / CuPy arrays (float32, float16,
 bfloat16) on a GPU instance, enqueued on the current stream (capturable in
 ``torch.cuda.graph``). ``arx.torch.all_reduce_(tensor, comm)`` is the same
 call as a torch custom op for ``torch.compile``. ``comm.reduce_scatter`` and
-``comm.all_gather`` (NCCL's definitions) take host arrays. Every failure raises an
+``comm.all_gather`` (NCCL's definitions) take the same arrays. Every failure raises an
 ``arx.Error`` subclass carrying arx's message. See docs/PYTHON.md.
 """
 
@@ -105,10 +105,10 @@ class ClosedError(InvalidUsageError):
 
 
 class UnsupportedError(InvalidUsageError, NotImplementedError):
-    """A call this build of arx cannot make: ``reduce_scatter`` and
-    ``all_gather`` on CUDA tensors/arrays (their GPU side is not in it
-    yet). Also a ``NotImplementedError``. The call is refused as a bad
-    argument is: the peers fail at once and the Comm is failed."""
+    """A call this build of arx cannot make (none in this build; kept so
+    that code catching it keeps working). Also a ``NotImplementedError``.
+    Such a call is refused as a bad argument is: the peers fail at once and
+    the Comm is failed."""
 
 
 from ._arx import MPI_LIBRARY, SETTINGS, __version__  # noqa: E402

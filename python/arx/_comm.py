@@ -199,17 +199,7 @@ class Comm:
                 f"({_kind(out)}): both must be the same kind of array",
             )
         if kind == "dlpack-cuda":
-            torch = _torch()
-            if torch is None:
-                try:
-                    import torch
-                except ImportError:
-                    c.refuse(
-                        _count(x),
-                        f"{type(x).__name__} is a DLPack CUDA array: arx takes torch tensors, "
-                        "CuPy arrays or __cuda_array_interface__ objects (torch is not installed "
-                        "to convert it)",
-                    )
+            torch = self._torch_for_dlpack(x)
             tx = torch.from_dlpack(x)
             tout = None if out is None or out is x else torch.from_dlpack(out)
             self.allreduce(tx, tout, op, stream=stream)
@@ -223,6 +213,21 @@ class Comm:
         else:
             self._host(x, out, dtype, op)
         return x if out is None else out
+
+    def _torch_for_dlpack(self, x):
+        """torch, to view a DLPack CUDA object as a tensor (or a refusal)."""
+        torch = _torch()
+        if torch is None:
+            try:
+                import torch
+            except ImportError:
+                self._c.refuse(
+                    _count(x),
+                    f"{type(x).__name__} is a DLPack CUDA array: arx takes torch tensors, "
+                    "CuPy arrays or __cuda_array_interface__ objects (torch is not installed "
+                    "to convert it)",
+                )
+        return torch
 
     def _host(self, x, out, dtype, op):
         x, out, dtype = self._host_views(x, out, dtype)
@@ -265,9 +270,18 @@ class Comm:
         return xv, ov, "bfloat16" if bf16 else None
 
     def _torch_cuda(self, x, out, stream, red):
+        args, stream = self._torch_cuda_args(x, out, stream)
+        (ip, n, dt) = args[0]
+        (op, on, odt) = args[-1]
+        self._c.allreduce_device(ip, op, n, on, dt, odt, stream, red)
+
+    def _torch_cuda_args(self, x, out, stream, skip_same=True):
+        """[(address, count, dtype)] of the input (and of out unless it is
+        None or the input), and the stream handle: the checks NumPy-style
+        views cannot make (dtype, contiguity)."""
         c = self._c
         torch = _torch()
-        tensors = [("the input", x)] + ([] if out is None or out is x else [("out", out)])
+        tensors = [("the input", x)] + ([] if out is None or (skip_same and out is x) else [("out", out)])
         args = []
         for what, t in tensors:
             name = str(t.dtype)
@@ -282,13 +296,19 @@ class Comm:
             args.append((t.data_ptr(), t.numel(), _TORCH_DTYPES[name]))
         if stream is None:
             stream = torch.cuda.current_stream(x.device)
-        (ip, n, dt) = args[0]
-        (op, on, odt) = args[-1]
-        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream), red)
+        return args, _stream_handle(stream)
 
     def _cai(self, x, out, stream, red):
+        args, stream = self._cai_args(x, out, stream, in_place=out is None or out is x)
+        (ip, n, dt) = args[0]
+        (op, on, odt) = args[-1]
+        self._c.allreduce_device(ip, op, n, on, dt, odt, stream, red)
+
+    def _cai_args(self, x, out, stream, in_place, skip_same=True):
+        """As ``_torch_cuda_args`` for ``__cuda_array_interface__`` objects;
+        ``in_place``: the input is written too (so must not be read-only)."""
         c = self._c
-        arrays = [("the input", x)] + ([] if out is None or out is x else [("out", out)])
+        arrays = [("the input", x)] + ([] if out is None or (skip_same and out is x) else [("out", out)])
         args = []
         for what, a in arrays:
             ai = a.__cuda_array_interface__
@@ -318,14 +338,12 @@ class Comm:
                         f"{what} is not C-contiguous (shape {shape}, strides {tuple(strides)})",
                     )
             ptr, readonly = ai["data"]
-            if readonly and (what == "out" or out is None or out is x):
+            if readonly and (what == "out" or in_place):
                 c.refuse(_count(x), f"{what} is read-only: the result is written there")
             args.append((int(ptr or 0), n, dt))
         if stream is None:
             stream = self._cai_stream(x, x.__cuda_array_interface__)
-        (ip, n, dt) = args[0]
-        (op, on, odt) = args[-1]
-        c.allreduce_device(ip, op, n, on, dt, odt, _stream_handle(stream), red)
+        return args, _stream_handle(stream)
 
     # -- reduce-scatter and all-gather ---------------------------------------
     def reduce_scatter(self, x, out=None, op="sum", *, stream=None, dtype=None):
@@ -339,12 +357,16 @@ class Comm:
         that very block is in place too. Returns the array holding the
         result (``x`` in place).
 
-        Host buffers and CPU torch tensors, as ``allreduce``. CUDA tensors
-        and arrays raise ``arx.UnsupportedError``: the GPU side of
-        reduce_scatter/all_gather is not in this build (``stream`` is for
-        it, unused until then). See docs/PYTHON.md.
+        Every kind of array ``allreduce`` takes, with the same rules: host
+        buffers and CPU torch tensors return when done; CUDA torch tensors,
+        CuPy arrays, ``__cuda_array_interface__`` and DLPack CUDA objects
+        (on a GPU instance and its CUDA device) are enqueued on ``stream``
+        (default: the framework's current stream), return at once and are
+        capturable in ``torch.cuda.graph``. ``out`` must have the input's
+        kind and dtype, ``size * n`` and ``n`` elements, and be disjoint
+        from ``x`` unless it is this rank's block of it.
         """
-        self._blocks("reduce_scatter", x, out, op, dtype)
+        self._blocks("reduce_scatter", x, out, op, dtype, stream)
         return x if out is None else out
 
     def all_gather(self, x, out=None, *, stream=None, dtype=None):
@@ -355,13 +377,14 @@ class Comm:
         is the input; ``x`` being that block of ``out`` is in place too.
         Returns the array holding the result (``x`` in place).
 
-        Host buffers and CPU torch tensors, as ``allreduce``; CUDA tensors
-        and arrays raise ``arx.UnsupportedError`` (see ``reduce_scatter``).
+        Every kind of array ``allreduce`` takes (see ``reduce_scatter``:
+        CUDA arrays are enqueued on ``stream``, capturable); ``x`` and
+        ``out`` are disjoint unless ``x`` is this rank's block of ``out``.
         """
-        self._blocks("all_gather", x, out, None, dtype)
+        self._blocks("all_gather", x, out, None, dtype, stream)
         return x if out is None else out
 
-    def _blocks(self, name, x, out, op, dtype):
+    def _blocks(self, name, x, out, op, dtype, stream=None):
         c = self._c
         if c is None:
             raise ClosedError("this arx.Comm is closed")
@@ -374,15 +397,23 @@ class Comm:
                 f"input is a {type(x).__name__} ({kind}) but out is a {type(out).__name__} "
                 f"({_kind(out)}): both must be the same kind of array",
             )
-        if kind in ("torch-cuda", "cai", "dlpack-cuda"):
-            # GPU: wire Arx::reduce_scatter_raw / all_gather_raw here
-            c.refuse(
-                _count(x),
-                f"{name} on a CUDA array ({type(x).__name__}): the GPU side of "
-                "reduce_scatter/all_gather is not in this build; pass host arrays "
-                "(NumPy, CPU tensors)",
-                True,
-            )
+        if kind == "dlpack-cuda":
+            torch = self._torch_for_dlpack(x)
+            tx = torch.from_dlpack(x)
+            tout = None if out is None else torch.from_dlpack(out)
+            self._blocks(name, tx, tout, op, dtype, stream)
+            return
+        if kind in ("torch-cuda", "cai"):
+            # out being the input itself is checked (refused) as an overlap.
+            if kind == "torch-cuda":
+                args, s = self._torch_cuda_args(x, out, stream, skip_same=False)
+            else:
+                args, s = self._cai_args(x, out, stream, out is None, skip_same=False)
+            (ip, n, dt) = args[0]
+            o = None if out is None else args[-1]
+            c.blocks_device(name, ip, n, dt, None if o is None else o[0], 0 if o is None else o[1],
+                            dt if o is None else o[2], s, op or "sum")
+            return
         if kind == "torch-cpu":
             xv, ov, dt = self._torch_cpu_views(x, out)
         else:

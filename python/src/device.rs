@@ -1,11 +1,13 @@
 //! GPU calls on device addresses (torch tensors, CuPy arrays): the checks
 //! arx cannot make on raw addresses (the instance's side, the memory's
-//! device, the element type, overlap), then `Arx::allreduce_raw`.
+//! device, the element type, overlap; the lengths of reduce-scatter and
+//! all-gather), then `Arx::allreduce_raw`, `Arx::reduce_scatter_raw` or
+//! `Arx::all_gather_raw`.
 
 use arx::cudarc::driver::sys;
 use arx::{Arx, Dtype, Error};
 
-use crate::host::overlap;
+use crate::host::{overlap, Coll};
 
 pub(crate) struct DeviceCall {
     input: u64,
@@ -45,6 +47,50 @@ fn device_of(addr: u64, what: &str) -> Result<usize, Error> {
     Ok(ordinal as usize)
 }
 
+/// The instance's CUDA context, or why a CUDA array cannot be used.
+fn context(arx: &Arx) -> Result<&std::sync::Arc<arx::cudarc::driver::CudaContext>, Error> {
+    arx.cuda_context().ok_or_else(|| {
+        Error::InvalidArgument(
+            "a CUDA tensor was passed, but this arx.Comm runs the host device side \
+             (device='host' or ARX_DEVICE=host, or not every rank has a usable GPU): \
+             pass host arrays (NumPy, CPU tensors), or create the Comm with device='gpu' \
+             to see why the GPU side cannot start"
+                .into(),
+        )
+    })
+}
+
+/// Checks that each address is aligned to `d`'s elements and on the
+/// instance's CUDA device (binding the context to this thread first).
+fn on_my_device(
+    ctx: &arx::cudarc::driver::CudaContext,
+    d: Dtype,
+    addrs: &[(u64, &str)],
+) -> Result<(), Error> {
+    ctx.bind_to_thread().map_err(|e| Error::Cuda {
+        call: "cuCtxSetCurrent",
+        detail: e.to_string(),
+    })?;
+    let mine = ctx.ordinal();
+    for &(addr, what) in addrs {
+        if addr % d.size() as u64 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} (address {addr:#x}) is not aligned to its {}-byte elements",
+                d.size()
+            )));
+        }
+        let theirs = device_of(addr, what)?;
+        if theirs != mine {
+            return Err(Error::InvalidArgument(format!(
+                "{what} is on CUDA device {theirs}, but this arx.Comm runs on CUDA device \
+                 {mine} (its cuda_device): move the tensor there, or create the Comm with \
+                 cuda_device={theirs}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Checks a GPU call before it is handed to arx.
 pub(crate) fn check(
     arx: &Arx,
@@ -55,15 +101,7 @@ pub(crate) fn check(
     in_dtype: &str,
     out_dtype: &str,
 ) -> Result<DeviceCall, Error> {
-    let Some(ctx) = arx.cuda_context() else {
-        return Err(Error::InvalidArgument(
-            "a CUDA tensor was passed, but this arx.Comm runs the host device side \
-             (device='host' or ARX_DEVICE=host, or not every rank has a usable GPU): \
-             pass host arrays (NumPy, CPU tensors), or create the Comm with device='gpu' \
-             to see why the GPU side cannot start"
-                .into(),
-        ));
-    };
+    let ctx = context(arx)?;
     let d = dtype(in_dtype, "the input")?;
     let od = dtype(out_dtype, "out")?;
     if d != od {
@@ -84,27 +122,7 @@ pub(crate) fn check(
         )));
     }
     if count > 0 {
-        ctx.bind_to_thread().map_err(|e| Error::Cuda {
-            call: "cuCtxSetCurrent",
-            detail: e.to_string(),
-        })?;
-        let mine = ctx.ordinal();
-        for (addr, what) in [(input, "the input"), (out, "out")] {
-            if addr % d.size() as u64 != 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "{what} (address {addr:#x}) is not aligned to its {}-byte elements",
-                    d.size()
-                )));
-            }
-            let theirs = device_of(addr, what)?;
-            if theirs != mine {
-                return Err(Error::InvalidArgument(format!(
-                    "{what} is on CUDA device {theirs}, but this arx.Comm runs on CUDA device \
-                     {mine} (its cuda_device): move the tensor there, or create the Comm with \
-                     cuda_device={theirs}"
-                )));
-            }
-        }
+        on_my_device(ctx, d, &[(input, "the input"), (out, "out")])?;
     }
     Ok(DeviceCall {
         input,
@@ -112,6 +130,141 @@ pub(crate) fn check(
         count,
         dtype: d,
     })
+}
+
+/// A reduce-scatter or all-gather on device addresses, checked, in the
+/// terms of `Arx::reduce_scatter_raw` / `Arx::all_gather_raw`: `n`
+/// elements per rank, the in-place case already turned into this rank's
+/// block of the large buffer.
+pub(crate) struct BlocksCall {
+    coll: Coll,
+    input: u64,
+    out: u64,
+    n: usize,
+    dtype: Dtype,
+}
+
+/// Checks a GPU reduce-scatter or all-gather as the host path checks one
+/// (`host::pair_blocks`) and as arx checks lengths (`Arx::reduce_scatter`):
+/// the raw entry points take `n` on trust, so the lengths are checked
+/// here. `out` None: in place in `input` (`world × n` elements, this rank's
+/// block is the result, resp. the input). `out` being this rank's block of
+/// the large buffer is in place too (NCCL's definition); any other overlap
+/// is refused.
+pub(crate) fn check_blocks(
+    arx: &Arx,
+    coll: Coll,
+    input: (u64, usize, &str),
+    out: Option<(u64, usize, &str)>,
+) -> Result<BlocksCall, Error> {
+    let ctx = context(arx)?;
+    let (world, rank) = (arx.world(), arx.rank());
+    let name = coll.name();
+    let d = dtype(input.2, "the input")?;
+    let Some(out) = out else {
+        let (addr, len, _) = input;
+        if len % world != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{name} in place: the buffer's {len} elements are not a multiple of {world} ranks"
+            )));
+        }
+        let n = len / world;
+        let own = addr + (rank * n * d.size()) as u64;
+        if n > 0 {
+            on_my_device(ctx, d, &[(addr, "the input")])?;
+        }
+        let (i, o) = match coll {
+            Coll::ReduceScatter => (addr, own),
+            Coll::AllGather => (own, addr),
+        };
+        return Ok(BlocksCall {
+            coll,
+            input: i,
+            out: o,
+            n,
+            dtype: d,
+        });
+    };
+    let od = dtype(out.2, "out")?;
+    if d != od {
+        return Err(Error::InvalidArgument(format!(
+            "{name}: input is {} but out is {}: both must have the same dtype",
+            input.2, out.2
+        )));
+    }
+    // The large buffer (world × n) and the small one (n).
+    let (big, small) = match coll {
+        Coll::ReduceScatter => (input, out),
+        Coll::AllGather => (out, input),
+    };
+    let n = small.1;
+    if big.1 != world.saturating_mul(n) {
+        let (big_name, small_name) = match coll {
+            Coll::ReduceScatter => ("input", "output"),
+            Coll::AllGather => ("output", "input"),
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{name}: {big_name} has {} elements, expected {world} ranks x {n} (the {small_name}'s length)",
+            big.1
+        )));
+    }
+    let bytes = |len: usize| len.saturating_mul(d.size());
+    let mine = big.0.saturating_add(bytes(rank.saturating_mul(n)) as u64);
+    let in_place = n > 0 && small.0 == mine;
+    if !in_place
+        && overlap(
+            input.0 as usize,
+            bytes(input.1),
+            out.0 as usize,
+            bytes(out.1),
+        )
+    {
+        let rule = match coll {
+            Coll::ReduceScatter => "out = input[rank*n:(rank+1)*n]",
+            Coll::AllGather => "input = out[rank*n:(rank+1)*n]",
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{name}: out overlaps the input ({} bytes at {:#x} and {} bytes at {:#x}) without \
+             being in place for rank {rank}: in place is out=None, or {rule} with \
+             {world} ranks x n elements; otherwise pass disjoint tensors",
+            bytes(input.1),
+            input.0,
+            bytes(out.1),
+            out.0
+        )));
+    }
+    if n > 0 {
+        on_my_device(ctx, d, &[(input.0, "the input"), (out.0, "out")])?;
+    }
+    Ok(BlocksCall {
+        coll,
+        input: input.0,
+        out: out.0,
+        n,
+        dtype: d,
+    })
+}
+
+/// Enqueues the checked reduce-scatter or all-gather on `stream`.
+///
+/// # Safety
+/// As [`run`], for the lengths [`check_blocks`] checked (`world × n` and
+/// `n` elements).
+pub(crate) unsafe fn run_blocks(
+    arx: &mut Arx,
+    c: &BlocksCall,
+    stream: u64,
+    op: arx::Op,
+) -> arx::Result<()> {
+    let stream = stream as usize as sys::CUstream;
+    // SAFETY: the caller's contract, which is the raw entry points'; an
+    // output overlapping the input is this rank's block (checked).
+    unsafe {
+        match c.coll {
+            Coll::ReduceScatter => arx.reduce_scatter_raw(c.input, c.out, c.n, c.dtype, op, stream),
+            Coll::AllGather => arx.all_gather_raw(c.input, c.out, c.n, c.dtype, stream),
+        }
+    }
 }
 
 /// Enqueues the checked call on `stream`.

@@ -394,6 +394,62 @@ impl Comm {
         r.map_err(|e| arx_err(py, e))
     }
 
+    /// GPU reduce-scatter or all-gather on device addresses, enqueued on
+    /// `stream`. Private: `arx.Comm.reduce_scatter` / `all_gather` pass the
+    /// addresses, element counts and dtypes of live tensors they hold;
+    /// `out` None is in place in `input`. `coll` is "reduce_scatter" or
+    /// "all_gather" (whose `op` is ignored).
+    #[pyo3(signature = (coll, input, count, dtype, out, out_count, out_dtype, stream, op="sum"))]
+    #[allow(clippy::too_many_arguments)]
+    fn blocks_device(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        coll: &str,
+        input: u64,
+        count: usize,
+        dtype: &str,
+        out: Option<u64>,
+        out_count: usize,
+        out_dtype: &str,
+        stream: u64,
+        op: &str,
+    ) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let world = arx.world().max(1);
+        let coll = match coll {
+            "reduce_scatter" => host::Coll::ReduceScatter,
+            _ => host::Coll::AllGather,
+        };
+        let checked = op_named(op).and_then(|op| {
+            let o = out.map(|o| (o, out_count, out_dtype));
+            device::check_blocks(arx, coll, (input, count, dtype), o).map(|c| (c, op))
+        });
+        let (call, op) = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                // The count per rank, as arx's own refusals show it.
+                let n = match (coll, out) {
+                    (host::Coll::ReduceScatter, Some(_)) => out_count,
+                    (host::Coll::AllGather, Some(_)) => count,
+                    (_, None) => count / world,
+                };
+                return Err(arx_err(py, arx.refuse_call(n, e)));
+            }
+        };
+        let arx = SendArx(arx);
+        let r = py.detach(move || {
+            let arx = arx;
+            // SAFETY: `arx.Comm` passes the data pointers, element counts
+            // and current stream of live CUDA tensors/arrays it holds;
+            // `device::check_blocks` checked their device, lengths and
+            // overlap; the work is ordered on `stream` like any kernel of
+            // the framework.
+            unsafe { device::run_blocks(arx.0, &call, stream, op) }
+        });
+        r.map_err(|e| arx_err(py, e))
+    }
+
     /// Refuses this rank's part of the next call with `message` (an
     /// argument error found in Python): peers fail at once naming this rank.
     /// Always raises: `arx.InvalidArgumentError`, or with `unsupported`

@@ -121,6 +121,56 @@ def poison(n, dtype, shape=None):
     return np.full(shape, np.nan, dtype=dtype)
 
 
+CANONICAL_NAN = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
+
+
+def op_expected(parts, dtype, op):
+    """max/min (IEEE 754-2019 maximum/minimum: NaN gives NaN, -0 < +0) or avg
+    (float32 sum, one float32 division by the rank count), written here with
+    NumPy comparisons; any NaN result is the dtype's canonical NaN."""
+    acc = widen(parts[0], dtype).copy()
+    for p in parts[1:]:
+        b = widen(p, dtype)
+        if op == "avg":
+            acc = acc + b
+            continue
+        a = acc
+        both_neg, one_neg = np.signbit(a) & np.signbit(b), np.signbit(a) | np.signbit(b)
+        with np.errstate(invalid="ignore"):
+            if op == "max":
+                tie = np.where(both_neg, a, np.abs(a))
+                acc = np.where(a > b, a, np.where(a < b, b, tie))
+            else:
+                tie = np.where(one_neg, -np.abs(a), a)
+                acc = np.where(a < b, a, np.where(a > b, b, tie))
+        acc = np.where(np.isnan(a) | np.isnan(b), np.float32(np.nan), acc).astype(np.float32)
+    if op == "avg":
+        acc = (acc / np.float32(len(parts))).astype(np.float32)
+    nan = np.isnan(acc)
+    want = narrow(np.where(nan, np.float32(0), acc).astype(np.float32), dtype)
+    bits(want)[nan] = CANONICAL_NAN[dtype]
+    return want
+
+
+def rs_expected(case_id, n, dtype, op):
+    """Block RANK of the all-reduce of every rank's size*n input, computed
+    here (harness.expected / op_expected), and this rank's input."""
+    parts = [partial(case_id, SIZE * n, dtype, r) for r in range(SIZE)]
+    full = expected(parts, dtype) if op == "sum" else op_expected(parts, dtype, op)
+    return parts[RANK], full[RANK * n:(RANK + 1) * n]
+
+
+def ag_input(case_id, n, dtype, r):
+    """Rank r's all-gather input: random bits of the element size, any
+    pattern (NaN payloads included: the call must move bits unchanged)."""
+    rng = np.random.default_rng([SEED, case_id, r, 7])
+    u = rng.integers(0, 2 ** 32, n, dtype=np.uint32)
+    if dtype == "float32":
+        return u.view(np.float32)
+    a = u.astype(np.uint16)
+    return a if dtype == "bfloat16" else a.view(np.float16)
+
+
 # ---- driver ------------------------------------------------------------------
 
 CASES = []

@@ -3,7 +3,8 @@ float32) eager, in place and out of place, on side streams, captured in
 torch.cuda.graph and replayed; CuPy arrays; the __cuda_array_interface__
 and DLPack paths; the torch custom op eagerly and under torch.compile; and
 the failures (a mismatched call, a refused call, a CUDA tensor on a host
-instance). Run by scripts/gpu-python on the GPU machine, several ranks on one
+instance); reduce_scatter and all_gather on CUDA tensors (eager, in place,
+graph capture, streams, CAI/DLPack/CuPy, bad arguments). Run by scripts/gpu-python on the GPU machine, several ranks on one
 GPU under MPS:
 
     mpirun -n 2 python python/tests/test_gpu.py
@@ -19,8 +20,8 @@ import numpy as np
 import torch
 
 import arx
-from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, case, check, expect_error,
-                     expected, main, narrow, note, partial, same_bits, widen, wrong)
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, ag_input, case, check, expect_error,
+                     expected, main, narrow, note, partial, rs_expected, same_bits, widen, wrong)
 
 TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 COMM = None
@@ -335,6 +336,231 @@ def a_refused_gpu_call_fails_the_others_at_once():
             e, dt = expect_error(lambda: (c.allreduce(x), c.check()), arx.CallMismatchError,
                                  contains=(f"rank {SIZE - 1}",), name="GPU refused by a peer")
         check(dt < PROMPT, f"GPU refusal: took {dt:.1f} s")
+
+
+# ---- reduce_scatter and all_gather on CUDA arrays ---------------------------
+
+def blocks_except_mine(a, n):
+    return np.concatenate([a[: RANK * n], a[(RANK + 1) * n:]])
+
+
+def rs_ag_torch(comm, cid, dtype, n, mode, op):
+    """One reduce_scatter and one all_gather of torch tensors in `mode`
+    ("out": disjoint out, "none": out=None, "view": out is this rank's
+    block), outputs poisoned (NaN), checked bit for bit against the NumPy
+    reference; in place, the other blocks must be left as they were."""
+    name = f"reduce_scatter {op} {dtype} n={n} {mode}"
+    mine, want = rs_expected(cid, n, dtype, op)
+    x = to_torch(mine, dtype)
+    if mode == "out":
+        out = nan_tensor(n, dtype)
+        got = comm.reduce_scatter(x, out, op=op)
+        check(got is out, f"{name}: did not return out")
+        check(same_bits(from_torch(x, dtype), mine), f"{name}: the input changed")
+    elif mode == "none":
+        got = comm.reduce_scatter(x, op=op)
+        check(got is x, f"{name}: did not return the input")
+        out = x[RANK * n:(RANK + 1) * n]
+    else:
+        out = x[RANK * n:(RANK + 1) * n]
+        got = comm.reduce_scatter(x, out, op=op)
+        check(got is out, f"{name}: did not return out")
+    res = from_torch(out, dtype)
+    check(same_bits(res, want), f"{name}: {wrong(res, want)}")
+    if mode != "out":
+        rest = blocks_except_mine(from_torch(x, dtype), n)
+        check(same_bits(rest, blocks_except_mine(mine, n)), f"{name}: another rank's block changed")
+
+    name = f"all_gather {dtype} n={n} {mode}"
+    parts = [ag_input(cid, n, dtype, r) for r in range(SIZE)]
+    want = np.concatenate(parts)
+    out = nan_tensor(SIZE * n, dtype)
+    if mode == "out":
+        x = to_torch(parts[RANK], dtype)
+        got = comm.all_gather(x, out)
+        check(got is out, f"{name}: did not return out")
+        check(same_bits(from_torch(x, dtype), parts[RANK]), f"{name}: the input changed")
+    else:
+        out[RANK * n:(RANK + 1) * n].copy_(to_torch(parts[RANK], dtype))
+        if mode == "none":
+            got = comm.all_gather(out)
+        else:
+            got = comm.all_gather(out[RANK * n:(RANK + 1) * n], out)
+        check(got is out, f"{name}: did not return the full tensor")
+    res = from_torch(out, dtype)
+    check(same_bits(res, want), f"{name}: {wrong(res, want)}")
+
+
+@case
+def reduce_scatter_and_all_gather_torch_eager():
+    """bf16/f16/f32; n from 1 to beyond a slot per block (chunked); out
+    of place, out=None and out as this rank's block; sum for every size,
+    max/min/avg at one size."""
+    m = COMM.describe()["max_count"]
+    cid = 8000
+    for dtype in ("bfloat16", "float16", "float32"):
+        for n in (1, 1000, m[dtype] + 3):
+            for mode in ("out", "none", "view"):
+                for op in ("sum",) if n != 1000 else ("sum", "max", "min", "avg"):
+                    cid += 1
+                    rs_ag_torch(COMM, cid, dtype, n, mode, op)
+    COMM.check()
+
+
+@case
+def reduce_scatter_and_all_gather_torch_graph_capture():
+    """One reduce_scatter (out of place) and one all_gather (in place) per
+    dtype captured in one torch.cuda.graph, replayed 20 times on new
+    inputs with the outputs poisoned before each replay."""
+    replays, n = 20, 3000
+    for k, dtype in enumerate(("bfloat16", "float16", "float32")):
+        base = 9000 + 100 * k
+        x = torch.empty(SIZE * n, dtype=TD[dtype], device=DEV)
+        out = nan_tensor(n, dtype)
+        buf = nan_tensor(SIZE * n, dtype)
+        mine, want = rs_expected(base, n, dtype, "sum")
+        x.copy_(to_torch(mine, dtype))
+        COMM.reduce_scatter(x, out)  # eager warm-up
+        res = from_torch(out, dtype)
+        check(same_bits(res, want), f"graph warm-up {dtype}: {wrong(res, want)}")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            COMM.reduce_scatter(x, out)
+            COMM.all_gather(buf)
+        for i in range(replays):
+            cid = base + 1 + i
+            mine, want = rs_expected(cid, n, dtype, "sum")
+            parts = [ag_input(cid, n, dtype, r) for r in range(SIZE)]
+            x.copy_(to_torch(mine, dtype))
+            out.fill_(float("nan"))
+            buf.fill_(float("nan"))
+            buf[RANK * n:(RANK + 1) * n].copy_(to_torch(parts[RANK], dtype))
+            g.replay()
+            res, gathered = from_torch(out, dtype), from_torch(buf, dtype)
+            check(same_bits(res, want), f"graph {dtype} replay {i}, reduce_scatter: {wrong(res, want)}")
+            whole = np.concatenate(parts)
+            check(same_bits(gathered, whole), f"graph {dtype} replay {i}, all_gather: {wrong(gathered, whole)}")
+        COMM.check()
+
+
+@case
+def reduce_scatter_and_all_gather_on_other_streams_and_array_kinds():
+    """The current stream (behind a 50 ms kernel on a side stream, as for
+    allreduce), stream=, the __cuda_array_interface__ and DLPack paths,
+    and CuPy arrays if installed."""
+    n = 4096
+    for i, dtype in enumerate(("bfloat16", "float32")):
+        mine, want = rs_expected(9500 + i, n, dtype, "sum")
+        src = to_torch(mine, dtype)
+        x = torch.zeros(SIZE * n, dtype=TD[dtype], device=DEV)
+        out = nan_tensor(n, dtype)
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(100_000_000)
+            x.copy_(src)
+            COMM.reduce_scatter(x, out)
+        s.synchronize()
+        res = from_torch(out, dtype)
+        check(same_bits(res, want), f"reduce_scatter on a side stream {dtype}: {wrong(res, want)}")
+        parts = [ag_input(9510 + i, n, dtype, r) for r in range(SIZE)]
+        y = torch.zeros(n, dtype=TD[dtype], device=DEV)
+        gathered = nan_tensor(SIZE * n, dtype)
+        torch.cuda.synchronize()
+        s2 = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(s2):
+            torch.cuda._sleep(100_000_000)
+            y.copy_(to_torch(parts[RANK], dtype))
+        COMM.all_gather(y, gathered, stream=s2)
+        s2.synchronize()
+        res, whole = from_torch(gathered, dtype), np.concatenate(parts)
+        check(same_bits(res, whole), f"all_gather stream= {dtype}: {wrong(res, whole)}")
+    # __cuda_array_interface__ (float16) and DLPack (bfloat16) objects.
+    mine, want = rs_expected(9520, n, "float16", "sum")
+    x, out = to_torch(mine, "float16"), nan_tensor(n, "float16")
+    got = COMM.reduce_scatter(CaiOnly(x), CaiOnly(out))
+    torch.cuda.synchronize()
+    res = from_torch(out, "float16")
+    check(isinstance(got, CaiOnly) and same_bits(res, want), f"CAI reduce_scatter: {wrong(res, want)}")
+    parts = [ag_input(9521, n, "bfloat16", r) for r in range(SIZE)]
+    buf = nan_tensor(SIZE * n, "bfloat16")
+    buf[RANK * n:(RANK + 1) * n].copy_(to_torch(parts[RANK], "bfloat16"))
+    COMM.all_gather(DlpackOnly(buf))
+    res, whole = from_torch(buf, "bfloat16"), np.concatenate(parts)
+    check(same_bits(res, whole), f"DLPack all_gather in place: {wrong(res, whole)}")
+    try:
+        import cupy
+    except ImportError:
+        note("CuPy not installed: CuPy arrays not tried in reduce_scatter/all_gather")
+        return
+    with cupy.cuda.Device(COMM.cuda_device):
+        mine, want = rs_expected(9530, n, "float32", "max")
+        xc = cupy.asarray(mine)
+        got = COMM.reduce_scatter(xc, op="max")
+        check(got is xc, "cupy reduce_scatter in place returns the input")
+        res = cupy.asnumpy(xc[RANK * n:(RANK + 1) * n])
+        check(same_bits(res, want), f"cupy reduce_scatter max in place: {wrong(res, want)}")
+        parts = [ag_input(9531, n, "float16", r) for r in range(SIZE)]
+        oc = cupy.full(SIZE * n, np.nan, dtype="float16")
+        COMM.all_gather(cupy.asarray(parts[RANK]), oc)
+        res, whole = cupy.asnumpy(oc), np.concatenate(parts)
+        check(same_bits(res, whole), f"cupy all_gather: {wrong(res, whole)}")
+    COMM.check()
+
+
+@case
+def reduce_scatter_and_all_gather_refuse_bad_cuda_arguments():
+    """Each bad call (the same on every rank) raises InvalidArgumentError
+    on every rank naming what is wrong; one on the last rank only makes
+    the others raise CallMismatchError at once."""
+    n = 64
+    big = torch.zeros(SIZE * n + 8, device=DEV)
+    bad = [
+        ("rs output length", lambda c: c.reduce_scatter(torch.zeros(SIZE * n, device=DEV),
+                                                        torch.zeros(n + 1, device=DEV)),
+         ("reduce_scatter", f"expected {SIZE} ranks x {n + 1}")),
+        ("rs in place not a multiple", lambda c: c.reduce_scatter(torch.zeros(SIZE * n + 1, device=DEV)),
+         ("not a multiple",)),
+        ("ag output length", lambda c: c.all_gather(torch.zeros(n, device=DEV),
+                                                    torch.zeros(SIZE * n - 1, device=DEV)),
+         ("all_gather", f"expected {SIZE} ranks x {n}")),
+        ("rs overlap elsewhere", lambda c: c.reduce_scatter(big[: SIZE * n], big[RANK * n + 1:RANK * n + 1 + n]),
+         ("in place", "overlaps")),
+        ("ag overlap elsewhere", lambda c: c.all_gather(big[RANK * n + 2:RANK * n + 2 + n], big[: SIZE * n]),
+         ("in place", "overlaps")),
+        ("rs out is the input", lambda c: c.reduce_scatter(big[:SIZE * n], big[:SIZE * n]),
+         ("expected",)),
+        ("rs dtype pair", lambda c: c.reduce_scatter(torch.zeros(SIZE * n, device=DEV),
+                                                     torch.zeros(n, dtype=torch.float16, device=DEV)),
+         ("float32", "float16")),
+        ("rs float64", lambda c: c.reduce_scatter(torch.zeros(SIZE * n, dtype=torch.float64, device=DEV)),
+         ("float64",)),
+        ("rs strided", lambda c: c.reduce_scatter(torch.zeros(2 * SIZE * n, device=DEV)[::2]),
+         ("contiguous",)),
+        ("rs op", lambda c: c.reduce_scatter(torch.zeros(SIZE * n, device=DEV), op="prod"), ("op='prod'",)),
+    ]
+    for name, fn, words in bad:
+        with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+            e, dt = expect_error(lambda: (fn(c), c.check()), arx.InvalidArgumentError, contains=words,
+                                 name=f"cuda {name}")
+            check(dt < PROMPT, f"cuda {name}: took {dt:.1f} s")
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        if RANK == SIZE - 1:
+            e, dt = expect_error(lambda: c.reduce_scatter(torch.zeros(SIZE * n + 1, device=DEV)),
+                                 arx.InvalidArgumentError, contains=("not a multiple",),
+                                 name="GPU reduce_scatter refused here")
+        else:
+            x = to_torch(partial(9600, SIZE * n, "float32", RANK), "float32")
+            e, dt = expect_error(lambda: (c.reduce_scatter(x), c.check()), arx.CallMismatchError,
+                                 contains=(f"rank {SIZE - 1}",), name="GPU reduce_scatter refused by a peer")
+        check(dt < PROMPT, f"GPU reduce_scatter refusal: took {dt:.1f} s")
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        m = n + (1 if RANK == SIZE - 1 else 0)
+        x = to_torch(partial(9601, m, "float32", RANK), "float32")
+        out = nan_tensor(SIZE * m, "float32")
+        e, dt = expect_error(lambda: (c.all_gather(x, out), c.check()), arx.CallMismatchError,
+                             name="GPU all_gather length on the last rank")
+        check(dt < PROMPT, f"GPU all_gather length on the last rank: took {dt:.1f} s")
 
 
 @case

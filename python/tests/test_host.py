@@ -20,8 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 import arx
-from harness import (FAIL_TIMEOUT, PROMPT, RANK, SEED, SIZE, WORLD, bits, case, check, expect_error,
-                     expected, main, narrow, note, partial, poison, same_bits, widen, wrong)
+from harness import (FAIL_TIMEOUT, PROMPT, RANK, SIZE, WORLD, ag_input, case, check, expect_error,
+                     expected, main, narrow, note, op_expected, partial, poison, rs_expected,
+                     same_bits, widen, wrong)
 
 
 def call_and_check(comm, case_id, n, dtype, in_place, name, shape=None, sub=None):
@@ -155,37 +156,6 @@ def torch_cpu_tensors_if_present():
         t = torch.from_numpy(parts[RANK].copy())
         at.all_reduce_(t, comm)
         check(same_bits(t.numpy(), expected(parts, "float32")), "torch.ops.arx.all_reduce on CPU")
-
-
-CANONICAL_NAN = {"float32": 0x7FC00000, "float16": 0x7E00, "bfloat16": 0x7FC0}
-
-
-def op_expected(parts, dtype, op):
-    """max/min (IEEE 754-2019 maximum/minimum: NaN gives NaN, -0 < +0) or avg
-    (float32 sum, one float32 division by the rank count), written here with
-    NumPy comparisons; any NaN result is the dtype's canonical NaN."""
-    acc = widen(parts[0], dtype).copy()
-    for p in parts[1:]:
-        b = widen(p, dtype)
-        if op == "avg":
-            acc = acc + b
-            continue
-        a = acc
-        both_neg, one_neg = np.signbit(a) & np.signbit(b), np.signbit(a) | np.signbit(b)
-        with np.errstate(invalid="ignore"):
-            if op == "max":
-                tie = np.where(both_neg, a, np.abs(a))
-                acc = np.where(a > b, a, np.where(a < b, b, tie))
-            else:
-                tie = np.where(one_neg, -np.abs(a), a)
-                acc = np.where(a < b, a, np.where(a > b, b, tie))
-        acc = np.where(np.isnan(a) | np.isnan(b), np.float32(np.nan), acc).astype(np.float32)
-    if op == "avg":
-        acc = (acc / np.float32(len(parts))).astype(np.float32)
-    nan = np.isnan(acc)
-    want = narrow(np.where(nan, np.float32(0), acc).astype(np.float32), dtype)
-    bits(want)[nan] = CANONICAL_NAN[dtype]
-    return want
 
 
 @case
@@ -490,25 +460,6 @@ def cuda_arrays_are_checked_and_refused_by_a_host_instance():
 
 # ---- reduce_scatter and all_gather -----------------------------------------
 
-def rs_expected(case_id, n, dtype, op):
-    """Block RANK of the all-reduce of every rank's size*n input, computed
-    here (harness.expected / op_expected), and this rank's input."""
-    parts = [partial(case_id, SIZE * n, dtype, r) for r in range(SIZE)]
-    full = expected(parts, dtype) if op == "sum" else op_expected(parts, dtype, op)
-    return parts[RANK], full[RANK * n:(RANK + 1) * n]
-
-
-def ag_input(case_id, n, dtype, r):
-    """Rank r's all-gather input: random bits of the element size, any
-    pattern (NaN payloads included: the call must move bits unchanged)."""
-    rng = np.random.default_rng([SEED, case_id, r, 7])
-    u = rng.integers(0, 2 ** 32, n, dtype=np.uint32)
-    if dtype == "float32":
-        return u.view(np.float32)
-    a = u.astype(np.uint16)
-    return a if dtype == "bfloat16" else a.view(np.float16)
-
-
 @case
 def reduce_scatter_and_all_gather_on_host_buffers():
     """Every dtype; n from 0 to beyond a 4 KiB slot (chunked); out of
@@ -652,13 +603,23 @@ def reduce_scatter_misuse_on_some_ranks_fails_every_rank_at_once():
 
 
 @case
-def reduce_scatter_and_all_gather_refuse_cuda_arrays():
-    for name, fn in (("reduce_scatter", lambda c: c.reduce_scatter(FakeCudaArray(shape=(8 * SIZE,)))),
-                     ("all_gather", lambda c: c.all_gather(FakeCudaArray(), FakeCudaArray(shape=(8 * SIZE,))))):
-        with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
-            e, dt = expect_error(lambda: fn(comm), arx.UnsupportedError,
-                                 contains=("GPU side of reduce_scatter/all_gather",), name=f"cuda {name}")
-            check(isinstance(e, NotImplementedError), f"cuda {name}: UnsupportedError is a NotImplementedError")
+def reduce_scatter_and_all_gather_refuse_cuda_arrays_on_a_host_instance():
+    """CUDA arrays go to the GPU entry points, which a host instance
+    refuses (every rank at once), after the Python-side checks."""
+    for name, fn, words in (
+        ("reduce_scatter", lambda c: c.reduce_scatter(FakeCudaArray(shape=(8 * SIZE,))),
+         ("host device side", "device='gpu'")),
+        ("all_gather", lambda c: c.all_gather(FakeCudaArray(), FakeCudaArray(shape=(8 * SIZE,))),
+         ("host device side",)),
+        ("reduce_scatter float64", lambda c: c.reduce_scatter(FakeCudaArray(typestr="<f8", shape=(8 * SIZE,))),
+         ("'<f8'",)),
+        ("all_gather read-only out",
+         lambda c: c.all_gather(FakeCudaArray(), FakeCudaArray(shape=(8 * SIZE,), readonly=True)),
+         ("read-only",)),
+    ):
+        with arx.Comm(WORLD, device="host", timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: fn(comm), arx.InvalidArgumentError, contains=words,
+                                 name=f"cuda {name}")
             check(dt < PROMPT, f"cuda {name}: took {dt:.1f} s")
 
 

@@ -554,3 +554,100 @@ pub(super) fn twoshot_sustained_in_place(ctx: &Ctx, st: Staging) -> R {
     ));
     Ok(())
 }
+
+/// Issue 10's "one answer" at large sizes on the GPU side (on request
+/// only: `ARX_GPU_TEST_CASES=large`): 64 MiB calls, and calls one element
+/// longer than one and three slots, of bf16, f16 and f32, sum and max, by
+/// one-shot, two-shot (also in place) and the automatic choice, each on an
+/// instance of the default slot, eager and as a captured graph replayed
+/// into a poisoned output; every result's bytes equal the reference of
+/// `tests/common/large.rs` (written without the library), hence equal
+/// across algorithms, launch modes and ranks.
+pub(super) fn large_one_answer(ctx: &Ctx, st: Staging) -> R {
+    large::self_check().map_err(|x| format!("the reference's own check: {x}"))?;
+    let mut insts = Vec::new();
+    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Auto] {
+        let (arx, s) = build_opts(ctx, st, Duration::from_secs(60), None, Some(algo))?;
+        insts.push((algo, arx, s));
+    }
+    let mut call = 0x7a00_0000;
+    let b = large_of::<bf16>(ctx, &mut insts, &mut call)?;
+    let h = large_of::<f16>(ctx, &mut insts, &mut call)?;
+    let f = large_of::<f32>(ctx, &mut insts, &mut call)?;
+    ctx.say(format!(
+        "bf16 {b}, f16 {h}, f32 {f} calls (up to 64 MiB; eager and graph) == reference"
+    ));
+    Ok(())
+}
+
+fn large_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    insts: &mut [(Algo, Arx, Arc<CudaStream>)],
+    call: &mut u64,
+) -> R<usize> {
+    let m = insts[0].1.max_count::<T>();
+    let big = (64 << 20) / std::mem::size_of::<T>();
+    let mut calls = 0;
+    for count in [m + 1, 3 * m + 1, big] {
+        *call += 1;
+        let inputs = large::inputs::<T>(SEED, *call, ctx.n, count);
+        let mine = &inputs[ctx.rank];
+        for op in [Op::Sum, Op::Max] {
+            let want = large::reference(op, &inputs);
+            for (algo, arx, s) in insts.iter_mut() {
+                let what = |how: &str| {
+                    format!(
+                        "{op} call {call} ({count} x {}, {}, {how})",
+                        T::DTYPE.name(),
+                        algo.name()
+                    )
+                };
+                let same = |how: &str, got: &[T]| match large::first_diff(got, &want) {
+                    None => Ok(()),
+                    Some(i) => Err(format!(
+                        "{}: first wrong at {i}: got bits {:02x?}, want {:02x?}",
+                        what(how),
+                        bytemuck::bytes_of(&got[i]),
+                        bytemuck::bytes_of(&want[i])
+                    )),
+                };
+                // Eager, out of place.
+                let din = up(s, mine)?;
+                let mut dout = poisoned::<T>(s, count)?;
+                arx.allreduce_op(&din, &mut dout, op, s)
+                    .map_err(|x| format!("{}: {x}", what("eager")))?;
+                arx.check().map_err(|x| format!("{}: {x}", what("eager")))?;
+                let got = down(s, &dout)?;
+                same("eager", &got)?;
+                ctx.fold(&got);
+                // The same call captured, replayed into a poisoned output.
+                poison_dev(s, &mut dout)?;
+                s.synchronize().map_err(e("sync"))?;
+                s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                    .map_err(e("begin_capture"))?;
+                let r = arx.allreduce_op(&din, &mut dout, op, s);
+                let g = s
+                    .end_capture(CUgraphInstantiate_flags(0))
+                    .map_err(e("end_capture"))?;
+                r.map_err(|x| format!("{}: {x}", what("under capture")))?;
+                let g = g.ok_or("empty graph")?;
+                g.launch().map_err(e("graph launch"))?;
+                let got = down(s, &dout)?;
+                arx.check().map_err(|x| format!("{}: {x}", what("graph")))?;
+                same("graph", &got)?;
+                drop(g);
+                calls += 2;
+                if *algo == Algo::TwoShot {
+                    let mut buf = up(s, mine)?;
+                    arx.allreduce_in_place_op(&mut buf, op, s)
+                        .map_err(|x| format!("{}: {x}", what("in place")))?;
+                    arx.check()
+                        .map_err(|x| format!("{}: {x}", what("in place")))?;
+                    same("in place", &down(s, &buf)?)?;
+                    calls += 1;
+                }
+            }
+        }
+    }
+    Ok(calls)
+}

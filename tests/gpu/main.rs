@@ -11,8 +11,7 @@
 //! each case runs with both stagings (SM stores and copy engine). After each
 //! case the harness compares the digest of every result the case folded in
 //! across ranks (every rank must hold the same bits); cases make no MPI
-//! collective of their own, so a rank that leaves a case early cannot hang
-//! the others.
+//! collective of their own besides instances' start-ups.
 //!
 //! What the former `examples/gpu_check` checked (`check` and `fail`):
 //! the kernels' f32 ↔ bf16/f16 conversions against the `half` crate on
@@ -62,6 +61,20 @@
 //! alternating across ranks; ranks on different algorithms failing with
 //! `CallMismatch` at once.
 //!
+//! After each case every rank enters one verdict all-reduce, failing ranks
+//! included (`tests/common/verdict.rs`): a rank whose case fails while the
+//! others wait in a collective it left aborts the run after a grace period
+//! (`ARX_TEST_FAIL_GRACE_SECS`, default 10 s) instead of letting it hang to
+//! its bound; `ARX_TEST_HARNESS_SELFTEST=1` adds a case that fails that way
+//! on purpose, to see it.
+//!
+//! Issue 10's one answer at 64 MiB (`collectives.rs`, `large_one_answer`):
+//! bf16, f16 and f32 at 64 MiB and one element past one and three slots,
+//! sum and max, one-shot, two-shot (also in place) and auto, eager and
+//! graph, against the reference of `tests/common/large.rs`; a case named
+//! `large: ...`, run only when a word of `ARX_GPU_TEST_CASES` containing
+//! `large` selects it (`scripts/gpu-check` with `ARX_GPU_LARGE=1`).
+//!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
 //! run is listed as NOT RUN), and `ARX_GPU_TEST_QUICK=1` fewer lengths,
@@ -78,7 +91,6 @@ use arx::cudarc::driver::{
 };
 use arx::{verify, Arx, DeviceKind, Dtype, Element, Error, Staging};
 use half::{bf16, f16};
-use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use rand::rngs::StdRng;
@@ -87,7 +99,11 @@ use rand::{Rng, SeedableRng};
 mod checks;
 mod chunked;
 mod collectives;
+#[path = "../common/large.rs"]
+mod large;
 mod ops;
+#[path = "../common/verdict.rs"]
+mod verdict;
 mod wrong_sum;
 
 use checks::*;
@@ -225,6 +241,19 @@ impl Ctx<'_> {
 type R<T = ()> = Result<T, String>;
 type Case = fn(&Ctx, Staging) -> R;
 
+/// Only with `ARX_TEST_HARNESS_SELFTEST` set (never in scripts/gpu-check's
+/// runs): the last rank fails while the others wait in an MPI barrier (as
+/// in an instance's start-up) that it never enters. The run must fail
+/// within the grace period of `verdict.rs` on every rank (before it, it
+/// hung until `ARX_TEST_RUN_SECS`).
+fn harness_self_test(ctx: &Ctx, _: Staging) -> R {
+    if ctx.rank == ctx.n - 1 {
+        return Err("a deliberate failure on the last rank (ARX_TEST_HARNESS_SELFTEST)".into());
+    }
+    ctx.world.barrier();
+    Ok(())
+}
+
 fn e<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
     move |x| format!("{what}: {x}")
 }
@@ -240,7 +269,8 @@ fn child() -> ExitCode {
         quick: std::env::var("ARX_GPU_TEST_QUICK").is_ok_and(|v| v != "0" && !v.is_empty()),
         digest: Cell::new(None),
     };
-    let cases: &[(&str, Case)] = &[
+    let verdict = verdict::Verdict::new(&world);
+    let mut cases: Vec<(&str, Case)> = vec![
         (
             "the kernels' conversions against the half crate",
             conversions,
@@ -338,7 +368,18 @@ fn child() -> ExitCode {
             "ranks on different all-reduce algorithms fail at once",
             algo_mismatch,
         ),
+        (
+            "large: one answer at 64 MiB and odd lengths past slots, every algorithm, eager and graph",
+            large_one_answer,
+        ),
     ];
+    if std::env::var_os("ARX_TEST_HARNESS_SELFTEST").is_some() {
+        // Fails on purpose: see `harness_self_test`.
+        cases.push((
+            "harness self-test: the last rank fails, the others wait in a collective",
+            harness_self_test,
+        ));
+    }
     // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain
     // one of the words; ARX_GPU_TEST_STAGING=sm|copy only one staging.
     let only: Option<Vec<String>> = std::env::var("ARX_GPU_TEST_CASES")
@@ -356,9 +397,14 @@ fn child() -> ExitCode {
             if ctx.quick { ", quick" } else { "" }
         );
     }
+    // Cases named "large: ..." run only when a word of ARX_GPU_TEST_CASES
+    // containing "large" selects them (never in scripts/gpu-check's runs).
+    let asked_large = only
+        .as_ref()
+        .is_some_and(|ws| ws.iter().any(|w| w.contains("large")));
     let mut all_ok = true;
     for staging in stagings {
-        for (name, case) in cases {
+        for &(name, case) in &cases {
             if let Some(words) = &only {
                 if !words.iter().any(|w| name.contains(w.as_str())) {
                     if ctx.rank == 0 {
@@ -370,18 +416,23 @@ fn child() -> ExitCode {
                     continue;
                 }
             }
+            if name.starts_with("large:") && !asked_large {
+                if ctx.rank == 0 {
+                    println!(
+                        "  [{} ranks, {staging:?}] {name}: NOT RUN (on request only: ARX_GPU_TEST_CASES=large)",
+                        ctx.n
+                    );
+                }
+                continue;
+            }
             let t = Instant::now();
             ctx.digest.set(None);
             let local = case(&ctx, staging);
             if let Err(e) = &local {
                 eprintln!("rank {}: case '{name}' ({staging:?}) FAILED: {e}", ctx.rank);
             }
-            let mut failures = 0u32;
-            world.all_reduce_into(
-                &u32::from(local.is_err()),
-                &mut failures,
-                SystemOperation::sum(),
-            );
+            // Every rank enters it, failing ranks included (verdict.rs).
+            let failures = verdict.agree(local.is_err(), name);
             // Every rank gathers every rank's digest (present, value) and
             // decides alike: a case that folded results must have the same
             // digest on every rank.

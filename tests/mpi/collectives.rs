@@ -292,3 +292,75 @@ pub(super) fn collective_mismatch(ctx: &Ctx) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// Issue 10's "one answer" at large sizes (on request only: see
+/// `main.rs`, `ARX_TEST_CASES=large`): 64 MiB calls, and calls one element
+/// longer than one and three slots, of bf16, f16 and f32, sum and max, by
+/// one-shot, two-shot (also in place) and the automatic choice, each on an
+/// instance of the default slot; every result's bytes equal the reference
+/// of `tests/common/large.rs` (rank-order f32 sum rounded once, IEEE
+/// maximum, written without the library), hence equal across algorithms
+/// and ranks.
+pub(super) fn large_one_answer(ctx: &Ctx) -> Result<(), String> {
+    large::self_check().map_err(|e| format!("the reference's own check: {e}"))?;
+    let mut insts = Vec::new();
+    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Auto] {
+        let arx = builder()
+            .slot_bytes(arx::DEFAULT_SLOT_BYTES)
+            .algo(algo)
+            .build(ctx.world)
+            .map_err(|e| e.to_string())?;
+        insts.push((algo, arx));
+    }
+    let mut call = 20_000;
+    large_of::<bf16>(ctx, &mut insts, &mut call)?;
+    large_of::<f16>(ctx, &mut insts, &mut call)?;
+    large_of::<f32>(ctx, &mut insts, &mut call)
+}
+
+fn large_of<T: Element>(
+    ctx: &Ctx,
+    insts: &mut [(Algo, Arx)],
+    call: &mut u64,
+) -> Result<(), String> {
+    let m = insts[0].1.max_count::<T>();
+    let big = (64 << 20) / std::mem::size_of::<T>();
+    for count in [m + 1, 3 * m + 1, big] {
+        *call += 1;
+        let inputs = large::inputs::<T>(SEED, *call, ctx.n, count);
+        let mine = &inputs[ctx.rank];
+        let mut out = vec![T::from_f32(0.0); count];
+        for op in [Op::Sum, Op::Max] {
+            let want = large::reference(op, &inputs);
+            for (algo, arx) in insts.iter_mut() {
+                let forms: &[bool] = if *algo == Algo::TwoShot {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for &in_place in forms {
+                    let what = format!(
+                        "{op} call {call} ({count} x {:?}, {algo:?}, in place {in_place})",
+                        T::DTYPE
+                    );
+                    let r = if in_place {
+                        out.copy_from_slice(mine);
+                        arx.allreduce_host_in_place_op(&mut out, op)
+                    } else {
+                        verify::poison(&mut out);
+                        arx.allreduce_host_op(mine, &mut out, op)
+                    };
+                    r.map_err(|e| format!("{what}: {e}"))?;
+                    if let Some(i) = large::first_diff(&out, &want) {
+                        return Err(format!(
+                            "{what}: first wrong at {i}: got bits {:02x?}, want {:02x?}",
+                            bytemuck::bytes_of(&out[i]),
+                            bytemuck::bytes_of(&want[i])
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -19,6 +19,18 @@
 //! run is listed as NOT RUN; a word that names no case fails the run, so a
 //! renamed case cannot silently drop out of a script's set).
 //!
+//! After each case every rank enters one verdict all-reduce, failing ranks
+//! included (`tests/common/verdict.rs`): a rank whose case fails while the
+//! others wait in a collective it left (a digest comparison, an instance's
+//! start-up) aborts the run after a grace period (`ARX_TEST_FAIL_GRACE_SECS`,
+//! default 10 s) instead of letting it hang to `ARX_TEST_RUN_SECS`;
+//! `ARX_TEST_HARNESS_SELFTEST=1` adds a case that fails that way on
+//! purpose, to see it (not in any set, so never in CI).
+//!
+//! Cases named `large: ...` (issue 10's one answer at 64 MiB, minutes at
+//! 3 ranks on 2 cores) run only when a word of `ARX_TEST_CASES` containing
+//! `large` selects them: never in the full run nor in a script's set.
+//!
 //! A rank count `N:SET` in `ARX_TEST_RANKS` runs N ranks with only the
 //! cases of the named set (below, `SETS`; and of `ARX_TEST_CASES` if set
 //! too). The default is `2,3,4,8,16:wide`: every case at 2, 3, 4 and 8
@@ -32,15 +44,18 @@ use std::time::{Duration, Instant};
 
 use arx::{verify, Arx, CallKind, DeviceKind, Dtype, Element, Error, FabricKind, Staging};
 use half::{bf16, f16};
-use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
 mod chunked;
 mod collectives;
 mod failures;
+#[path = "../common/large.rs"]
+mod large;
 mod ops;
 mod stages;
+#[path = "../common/verdict.rs"]
+mod verdict;
 
 use chunked::*;
 use collectives::*;
@@ -210,7 +225,8 @@ fn child() -> ExitCode {
         rank: world.rank() as usize,
         n: world.size() as usize,
     };
-    let cases: &[(&str, Case)] = &[
+    let verdict = verdict::Verdict::new(&world);
+    let mut cases: Vec<(&str, Case)> = vec![
         ("every dtype and length, bit for bit", correctness),
         ("every dtype at a few lengths, bit for bit", few_lengths),
         ("in place", in_place),
@@ -282,7 +298,18 @@ fn child() -> ExitCode {
             retry_on_fresh_comm,
         ),
         ("one rank never arrives at start-up", bootstrap_timeout),
+        (
+            "large: one answer at 64 MiB and odd lengths past slots, every algorithm, bit for bit",
+            large_one_answer,
+        ),
     ];
+    if std::env::var_os("ARX_TEST_HARNESS_SELFTEST").is_some() {
+        // Fails on purpose: see `harness_self_test`.
+        cases.push((
+            "harness self-test: the last rank fails, the others wait in a collective",
+            harness_self_test,
+        ));
+    }
     // ARX_TEST_CASES=word,word runs only the cases whose names contain one
     // of the words (for working on one case, and the scripts' named sets;
     // the full run sets nothing); ARX_TEST_SET_CASES (from the parent, for
@@ -303,11 +330,25 @@ fn child() -> ExitCode {
             }
         }
     }
+    // Cases named "large: ..." take minutes: they run only when a word of
+    // ARX_TEST_CASES containing "large" selects them (never in the full run
+    // nor a script's set).
+    let asked_large =
+        std::env::var("ARX_TEST_CASES").is_ok_and(|v| v.split(',').any(|w| w.contains("large")));
     let mut all_ok = true;
-    for (name, case) in cases {
+    for &(name, case) in &cases {
         if let Some((var, _)) = filters.iter().find(|(_, w)| !selects(w, name)) {
             if ctx.rank == 0 {
                 println!("  [{} ranks] {name}: NOT RUN (filtered by {var})", ctx.n);
+            }
+            continue;
+        }
+        if name.starts_with("large:") && !asked_large {
+            if ctx.rank == 0 {
+                println!(
+                    "  [{} ranks] {name}: NOT RUN (on request only: ARX_TEST_CASES=large)",
+                    ctx.n
+                );
             }
             continue;
         }
@@ -316,12 +357,8 @@ fn child() -> ExitCode {
         if let Err(e) = &local {
             eprintln!("rank {}: case '{name}' FAILED: {e}", ctx.rank);
         }
-        let mut failures = 0u32;
-        world.all_reduce_into(
-            &u32::from(local.is_err()),
-            &mut failures,
-            SystemOperation::sum(),
-        );
+        // Every rank enters it, failing ranks included (verdict.rs).
+        let failures = verdict.agree(local.is_err(), name);
         if ctx.rank == 0 {
             let verdict = if failures == 0 {
                 "ok".to_string()
@@ -382,6 +419,18 @@ fn builder() -> arx::Builder {
     Arx::builder()
         .slot_bytes(64 << 10)
         .timeout(Duration::from_millis(timeout))
+}
+
+/// Only with `ARX_TEST_HARNESS_SELFTEST` set (never in CI's sets): the
+/// last rank's check fails while the others go on into a digest comparison
+/// (an MPI collective) that the failing rank never enters. The run must
+/// fail within the grace period of `verdict.rs` on every rank (before it,
+/// it hung until `ARX_TEST_RUN_SECS`).
+fn harness_self_test(ctx: &Ctx) -> Result<(), String> {
+    if ctx.rank == ctx.n - 1 {
+        return Err("a deliberate failure on the last rank (ARX_TEST_HARNESS_SELFTEST)".into());
+    }
+    same_everywhere(ctx, 0x5e1f)
 }
 
 /// Gathers a digest from every rank and checks they are all equal.
