@@ -69,7 +69,7 @@ pub enum CallKind {
 
 /// A call as a rank announced it: kind and element count.
 ///
-/// A call longer than one slot is split into chunks of one slot (see the
+/// A call longer than one slot is split into chunks of half a slot (see the
 /// crate docs, Guarantees), each announced on its own: then `count` is the
 /// chunk's, and `more` says whether more chunks of that call follow it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -51,7 +51,7 @@
 //! |---|---|---|
 //! | device side ★ | `host`, `gpu`, `auto` (`ARX_DEVICE`) | auto: gpu when every rank has a usable CUDA device, else host |
 //! | fabric ★ | `shm`, `verbs`, `auto` (`ARX_FABRIC`) | auto: shm when all ranks share a node, else verbs |
-//! | slot size ★ | the partial of one one-shot call (longer calls run as chunks of one slot): 1 byte to 256 MiB − 1, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`); rounded up to a page | 1 MiB |
+//! | slot size ★ | the partial of one one-shot call (longer calls run as chunks of half a slot): 1 byte to 256 MiB − 1, `K`/`M`/`G` suffixes (`ARX_SLOT_BYTES`); rounded up to a page | 1 MiB |
 //! | GPU staging ★ | `sm`, `copy` (`ARX_STAGING`) | sm |
 //! | call timeout | 1 ms to 24 h, in ms (`ARX_TIMEOUT_MS`): every wait of a call, [`Arx::barrier`], the collective close at drop | 10 s |
 //! | start-up timeout | 1 ms to 24 h, in ms (`ARX_INIT_TIMEOUT_MS`): each collective step of start-up | 60 s |
@@ -122,8 +122,9 @@
 //!   made, whatever CUDA streams they are enqueued on and whether they are
 //!   captured into graphs (see GPU buffers).
 //! * Any length works (up to what the buffers hold). A call longer than one
-//!   slot ([`Arx::max_count`] elements) runs as chunks of one slot, the last
-//!   one shorter, each an ordinary one-shot call with its own call number:
+//!   slot ([`Arx::max_count`] elements) runs as chunks of half a slot, the
+//!   last one shorter, each an ordinary call with its own call number (on
+//!   the host side pipelined: chunk j + 1 is sent while chunk j is summed):
 //!   every guarantee above holds per chunk, and since each element is
 //!   summed by exactly one chunk exactly as one call would sum it, the
 //!   result is bit-identical to an unchunked call's, whatever the slot
@@ -183,7 +184,7 @@
 //! ## GPU buffers
 //!
 //! With the GPU device side, [`Arx::allreduce`] takes cudarc device slices
-//! and a stream, enqueues one kernel per chunk of one slot (one kernel for a
+//! and a stream, enqueues one kernel per chunk of half a slot (one kernel for a
 //! call of one slot or less; plus two copies per chunk with
 //! [`Staging::CopyEngine`]) and returns: it never waits for the GPU and does
 //! no host work that a CUDA graph would have to repeat, so it can be
@@ -379,8 +380,10 @@ impl Arx {
     pub fn config(&self) -> &Config {
         self.device.config()
     }
-    /// Elements of `T` in one slot: the largest one-shot call. Longer calls
-    /// run as chunks of this many elements (see Guarantees).
+    /// Elements of `T` in one slot: the largest call that runs unchunked.
+    /// Longer all-reduces run as chunks of half this many elements
+    /// (reduce_scatter and all_gather: of this many, over all blocks; see
+    /// Guarantees).
     pub fn max_count<T: Element>(&self) -> usize {
         self.device.max_count(T::DTYPE)
     }
