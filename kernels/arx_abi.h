@@ -34,6 +34,12 @@
  * recv[p ^ 1]). Each element is reduced once, by the same rank-order rule,
  * so the bits equal one-shot's. reduce_scatter is the first call alone,
  * all_gather the second alone.
+ *
+ * A broadcast is one call (pattern BCAST) per chunk: every rank publishes
+ * the chunk's count, the root with its partial (ARX_BCAST_ROOT in the op
+ * field: every peer gets the whole of it), every other rank with no data;
+ * a receiver expects exactly the root's word from the root and the
+ * non-root word from every other peer, and copies recv[p][root] out.
  */
 #ifndef ARX_H
 #define ARX_H
@@ -48,7 +54,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 6u
+#define ARX_ABI_VERSION 7u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -97,6 +103,14 @@ typedef unsigned int uint32_t;
 /* Every peer gets the sender's own shard (the all-gather step: of a
  * two-shot all-reduce, or an all_gather). */
 #define ARX_PATTERN_GATHER 2u
+/* Every peer gets the whole partial of a sender whose op field is
+ * ARX_BCAST_ROOT, nothing of any other sender (a broadcast: the root
+ * sends, every rank announces the same count, so that ranks that disagree
+ * on the count or on the root differ in some flag word and fail at once). */
+#define ARX_PATTERN_BCAST 3u
+/* The op field of a broadcast's flag word: the sender is the root (0: it
+ * is not). A broadcast reduces nothing, so the field is free. */
+#define ARX_BCAST_ROOT 1u
 /* Shards. Of a call of `count` elements over `world` ranks, shard q is
  * elements [min(q*L, count), min((q+1)*L, count)) with
  *   L = count / world                       when world divides count,
@@ -113,8 +127,8 @@ typedef unsigned int uint32_t;
 #define ARX_FLAG_ELEMS_MASK 0x01ffffffu
 /* Count field of the "invalid" flag words a rank whose fabric failed writes
  * to its peers (so that they fail at once): every count and pattern bit,
- * no MORE; no call or refusal announces it (pattern 3 is none, and counts
- * are at most ARX_MAX_CHUNK). */
+ * no MORE; no call or refusal announces it (counts are at most
+ * ARX_MAX_CHUNK, below its element count 0x01ffffff). */
 #define ARX_FLAG_POISON_COUNT 0x07ffffffu
 /* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::abi;
-use crate::algo::{chunked, collective, oneshot};
+use crate::algo::{broadcast, chunked, collective, oneshot};
 use crate::config::Config;
 use crate::dtype::{Dtype, Element};
 use crate::error::{Error, Result};
@@ -262,6 +262,26 @@ impl Device {
         } else {
             collective::reduce_scatter(&env, first, per, n, bufs, op)
         };
+        self.host_done(seq, r)
+    }
+
+    /// A host broadcast from `root` of the buffers' elements (see
+    /// `algo::broadcast`).
+    pub(crate) fn host_broadcast<T: Element>(
+        &mut self,
+        root: usize,
+        bufs: collective::Bufs<'_, T>,
+    ) -> Result<()> {
+        self.ready()?;
+        let first = self.next_host_seq().map_err(|e| self.fail(e))?;
+        let per = self.max_count(T::DTYPE);
+        let env = oneshot::Env {
+            region: &self.region,
+            layout: &self.layout,
+            cfg: &self.cfg,
+            link: &self.link,
+        };
+        let (seq, r) = broadcast::broadcast(&env, first, per, root, bufs);
         self.host_done(seq, r)
     }
 
