@@ -60,7 +60,12 @@
 //! and captured into a graph; GPU and host calls of reduce_scatter,
 //! all_gather and all-reduces (one-shot and two-shot under `auto`)
 //! alternating across ranks; ranks on different algorithms failing with
-//! `CallMismatch` at once.
+//! `CallMismatch` at once. broadcast (`collectives.rs`, `kernels/bcast.cuh`)
+//! from every root on every dtype at 0 to 2m+3 elements, out of place, in
+//! place and unaligned, bit for bit (NaN payloads too); captured into a
+//! graph (chunked, in place, beside an all-reduce) and replayed; GPU and
+//! host calls alternating across ranks; ranks disagreeing on the root or
+//! the count, or a root that is no rank, failing at once.
 //!
 //! `ARX_GPU_TEST_CASES=word,word` runs only the cases whose names contain one
 //! of the words, `ARX_GPU_TEST_STAGING=sm|copy` one staging (each case not
@@ -337,6 +342,22 @@ fn child() -> ExitCode {
         (
             "ranks on different all-reduce algorithms fail at once",
             algo_mismatch,
+        ),
+        (
+            "broadcast: every dtype, length, root, placement, bit for bit",
+            broadcast_eager,
+        ),
+        (
+            "broadcast captured into a graph with an all-reduce",
+            broadcast_graph,
+        ),
+        (
+            "broadcast: GPU and host calls interleaved across ranks",
+            broadcast_mixed,
+        ),
+        (
+            "broadcast: ranks that disagree on the root or count fail at once",
+            broadcast_mismatch,
         ),
     ];
     // ARX_GPU_TEST_CASES=word,word runs only the cases whose names contain
