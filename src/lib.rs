@@ -446,7 +446,7 @@ impl Arx {
     /// The stages of the last one-shot all-reduce traced on this rank (see
     /// [`Arx::trace_stages`]): the last chunk of a call longer than one
     /// slot. Stages that were not recorded are `None`. Two-shot calls,
-    /// `reduce_scatter` and `all_gather` are not traced (build with
+    /// `reduce_scatter`, `all_gather` and `broadcast` are not traced (build with
     /// `Algo::OneShot` to trace every all-reduce, as `allreduce_perf
     /// --stages` does). On a GPU instance,
     /// synchronize first ([`Arx::check`]) to read a finished call.

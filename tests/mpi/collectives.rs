@@ -406,7 +406,10 @@ pub(super) fn broadcast_bit_for_bit(ctx: &Ctx) -> Result<(), String> {
 /// the count (the last rank asks for one element more: the root sees it
 /// too), on the collective (rank 0 broadcasts, the others all-gather), and
 /// a root that is no rank (rank 0: `InvalidArgument`; its peers fail
-/// naming it). A fresh instance for each (a failure sticks).
+/// naming it). At 3+ ranks, the one case where some ranks pass (one rank
+/// names itself, others another rank): the passing ranks get the right
+/// data, the others fail at once. A fresh instance for each (a failure
+/// sticks).
 pub(super) fn broadcast_mismatch(ctx: &Ctx) -> Result<(), String> {
     let (world, me) = (ctx.n, ctx.rank);
     let n = 100;
@@ -506,6 +509,23 @@ pub(super) fn broadcast_mismatch(ctx: &Ctx) -> Result<(), String> {
         _ => false,
     })?;
     took.push(t.elapsed());
+
+    // The one disagreement on the root that lets some ranks pass (3+
+    // ranks): rank 0 names itself, rank 1 names rank 0, the others rank
+    // 1. Ranks 0 and 1 get rank 0's data (checked in `bcast`); the others
+    // fail at once naming a peer. Nothing waits for the timeout.
+    if world >= 3 {
+        let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        let root = usize::from(me >= 2);
+        let r = bcast(&mut arx, n, root);
+        if me < 2 {
+            r.map_err(|e| format!("a lone root and a rank that named it: {e}"))?;
+        } else {
+            expect_err("a lone root, this rank named another", r, mismatch)?;
+        }
+        took.push(t.elapsed());
+    }
 
     if let Some(d) = took.iter().find(|d| **d > timeout / 2) {
         return Err(format!("a broadcast mismatch took {d:?} (times: {took:?})"));
