@@ -508,6 +508,36 @@ arxResult_t arxReduceScatterHost(const void *sendbuff, void *recvbuff, size_t re
  */
 arxResult_t arxAllGatherHost(const void *sendbuff, void *recvbuff, size_t sendcount, arxDataType_t datatype, arxComm_t comm);
 
+/**
+ * Broadcast (NCCL's `ncclBroadcast`): the root's `sendbuff` of `count`
+ * elements lands in every rank's `recvbuff`, bit for bit. `sendbuff` is
+ * read on the root only (NULL is accepted elsewhere); `sendbuff ==
+ * recvbuff` is in place. Every rank passes the same `count`, `datatype`
+ * and `root`: a `root` that is no rank is refused with
+ * `arxInvalidArgument` on this rank and its peers fail at once
+ * (`arxMismatch` naming it), as do ranks that disagree on the count
+ * or the root. Device memory on `stream`, as `arxAllReduce`
+ * (graph-capturable); `arxBroadcastHost` runs on host memory.
+ *
+ * # Safety
+ * As `arxAllReduce`, for `count` elements at `recvbuff` and, on the
+ * root, at `sendbuff`.
+ */
+arxResult_t arxBroadcast(const void *sendbuff, void *recvbuff, size_t count, arxDataType_t datatype, int root, arxComm_t comm, cudaStream_t stream);
+
+/**
+ * `arxBroadcast` on host memory; returns when `recvbuff` holds the
+ * result. Works on a comm of either side (on the GPU side it synchronizes
+ * the GPU first).
+ *
+ * # Safety
+ * `recvbuff` is writable for `count` elements of `datatype` and, on the
+ * root, `sendbuff` readable for as many (NULL or ignored elsewhere), both
+ * aligned to the element, and nothing else touches them during the call;
+ * `comm` is NULL (refused) or live.
+ */
+arxResult_t arxBroadcastHost(const void *sendbuff, void *recvbuff, size_t count, arxDataType_t datatype, int root, arxComm_t comm);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -9,11 +9,13 @@
  *   oneshot.cuh   the one-shot all-reduce (and the wait and the rank-order
  *                 reduction every algorithm shares)
  *   twoshot.cuh   the two-shot all-reduce, reduce_scatter and all_gather
+ *   bcast.cuh     broadcast
  *
  * This file holds only the entry points (one per algorithm and dtype) and
  * the conversion test hook.
  */
 #include "twoshot.cuh"
+#include "bcast.cuh"
 
 extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_allreduce_bf16(arx_params_t p) {
     oneshot_run<T_bf16>(p);
@@ -37,6 +39,17 @@ extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2)
     arx_collective_f32(arx_params_t p, u32 kind, u64 in_stride, u64 out_stride) {
     collective_run<T_f32>(p, kind, in_stride, out_stride);
+}
+
+/* root: the broadcast's root rank. */
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_broadcast_bf16(arx_params_t p, u32 root) {
+    bcast_run<T_bf16>(p, root);
+}
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_broadcast_f16(arx_params_t p, u32 root) {
+    bcast_run<T_f16>(p, root);
+}
+extern "C" __global__ void __launch_bounds__(ARX_THREADS, 2) arx_broadcast_f32(arx_params_t p, u32 root) {
+    bcast_run<T_f32>(p, root);
 }
 
 /* Test hook: converts n f32 bit patterns to bf16 and f16 with the kernels'

@@ -34,6 +34,12 @@
  * recv[p ^ 1]). Each element is reduced once, by the same rank-order rule,
  * so the bits equal one-shot's. reduce_scatter is the first call alone,
  * all_gather the second alone.
+ *
+ * A broadcast is one call (pattern BCAST) per chunk: every rank publishes
+ * the chunk's count, the root with its partial (ARX_BCAST_ROOT in the op
+ * field: every peer gets the whole of it), every other rank with no data;
+ * a receiver expects exactly the root's word from the root and the
+ * non-root word from every other peer, and copies recv[p][root] out.
  */
 #ifndef ARX_H
 #define ARX_H
@@ -114,6 +120,14 @@ typedef unsigned int uint32_t;
 /* Every peer gets the sender's own shard (the all-gather step: of a
  * two-shot all-reduce, or an all_gather). */
 #define ARX_PATTERN_GATHER 2u
+/* Every peer gets the whole partial of a sender whose op field is
+ * ARX_BCAST_ROOT, nothing of any other sender (a broadcast: the root
+ * sends, every rank announces the same count, so that ranks that disagree
+ * on the count or on the root differ in some flag word and fail at once). */
+#define ARX_PATTERN_BCAST 3u
+/* The op field of a broadcast's flag word: the sender is the root (0: it
+ * is not). A broadcast reduces nothing, so the field is free. */
+#define ARX_BCAST_ROOT 1u
 /* Shards. Of a call of `count` elements over `world` ranks, shard q is
  * elements [min(q*L, count), min((q+1)*L, count)) with
  *   L = count / world                       when world divides count,

@@ -80,7 +80,8 @@ __device__ __forceinline__ void acc_op(u32 op, float *acc, vec4 v) {
 }
 
 /* Waits, for the whole block, until every peer's flags of call `seq` carry
- * `flag` and this GPU side's own part of the call is out (`*own_done` has
+ * `flag` (peer `root`'s: `root_flag`, a broadcast's root; no peer by
+ * default) and this GPU side's own part of the call is out (`*own_done` has
  * reached `own_target`: the staging, or whatever the call published),
  * bounded by the deadline and the abort word. Returns true if the call
  * failed (the failure is recorded; uniform across the block). Called by
@@ -97,7 +98,7 @@ __device__ __forceinline__ void acc_op(u32 op, float *acc, vec4 v) {
  * of this launch (running blocks). */
 __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_state_t *st, u64 seq,
                            u64 flag, const u32 *own_done, u32 own_target, u32 *s_poll,
-                           u32 *s_status) {
+                           u32 *s_status, u32 root = 0xFFFFFFFFu, u64 root_flag = 0) {
     const u32 tid = threadIdx.x;
     const u32 bd = blockDim.x;
     const unsigned char *region = (const unsigned char *)p.region;
@@ -138,7 +139,7 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
             u64 f = ld_acquire_sys_u64(fp);
             u32 fseq = (u32)(f >> ARX_FLAG_SEQ_SHIFT);
             if (fseq == seq32) {
-                if (f != flag) {
+                if (f != (q == root ? root_flag : flag)) {
                     /* Same call, other count, dtype, op or pattern. */
                     arx_fail(ctrl, st, ARX_STATUS_MISMATCH, q, lane, seq, f);
                     bad = 1;

@@ -1,5 +1,5 @@
-//! `reduce_scatter` and `all_gather` on host memory (NCCL's definitions,
-//! see `algo::collective`).
+//! `reduce_scatter`, `all_gather` and `broadcast` on host memory (NCCL's
+//! definitions, see `algo::collective` and `algo::broadcast`).
 
 use crate::algo::collective::Bufs;
 use crate::dtype::Element;
@@ -18,6 +18,16 @@ impl Arx {
             )));
         }
         Ok(len / world)
+    }
+
+    /// The error refusing a broadcast from `root`, if `root` is no rank.
+    pub(crate) fn bad_root(&self, root: usize) -> Option<Error> {
+        let world = self.world();
+        (root >= world).then(|| {
+            Error::InvalidArgument(format!(
+                "broadcast: root {root} is not a rank of this {world}-rank instance"
+            ))
+        })
     }
 
     /// Reduce-scatter: `input` holds `N·n` elements (N ranks); the sum of
@@ -94,5 +104,47 @@ impl Arx {
         };
         self.device
             .host_collective(true, n, Bufs::InPlace(buf), Op::Sum)
+    }
+
+    /// Broadcast: the root's `input` lands in every rank's `output`, bit
+    /// for bit (NCCL's `ncclBroadcast`). Every rank passes the same `root`
+    /// and lengths; `input` is read on the root only, yet its length must
+    /// equal `output`'s on every rank. A `root` that is no rank is refused
+    /// with [`Error::InvalidArgument`] (its peers fail at once naming this
+    /// rank), as are ranks that disagree on the root or the length: they
+    /// fail with [`Error::CallMismatch`] instead of waiting (one case of
+    /// root disagreement lets some ranks pass, see the README).
+    pub fn broadcast_host<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let n = output.len();
+        if let Some(e) = self.bad_root(root) {
+            return Err(self.refuse_call(n, e));
+        }
+        if input.len() != n {
+            let e = Error::InvalidArgument(format!(
+                "broadcast: input has {} elements, output {n}",
+                input.len()
+            ));
+            return Err(self.refuse_call(n, e));
+        }
+        self.device
+            .host_broadcast(root, Bufs::Separate(input, output))
+    }
+
+    /// In-place [`Arx::broadcast_host`]: `buf` is the root's input and
+    /// every rank's output.
+    pub fn broadcast_host_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        if let Some(e) = self.bad_root(root) {
+            return Err(self.refuse_call(buf.len(), e));
+        }
+        self.device.host_broadcast(root, Bufs::InPlace(buf))
     }
 }

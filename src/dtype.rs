@@ -100,17 +100,28 @@ pub enum Pattern {
     /// Every peer got the sender's shard: an all-gather (alone, or the
     /// second step of a two-shot all-reduce).
     Gather,
+    /// A broadcast: `root` when the sender announced itself as the root
+    /// (every peer got its whole partial), else it sent no data.
+    Broadcast {
+        /// The sender is the broadcast's root.
+        root: bool,
+    },
     /// A pattern code this version does not know.
     Unknown(u32),
 }
 
 impl Pattern {
     /// From its `ARX_PATTERN_*` code.
-    pub(crate) fn from_code(code: u32) -> Self {
+    /// From a flag word's pattern code and op field (a broadcast's root
+    /// bit).
+    pub(crate) fn from_code(code: u32, op: u32) -> Self {
         match code {
             abi::ARX_PATTERN_WHOLE => Pattern::Whole,
             abi::ARX_PATTERN_SCATTER => Pattern::Scatter,
             abi::ARX_PATTERN_GATHER => Pattern::Gather,
+            abi::ARX_PATTERN_BCAST => Pattern::Broadcast {
+                root: op == abi::ARX_BCAST_ROOT,
+            },
             c => Pattern::Unknown(c),
         }
     }
@@ -129,17 +140,22 @@ impl CallDesc {
             None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
             None => CallKind::Unknown(code),
         };
-        let op = (flag >> abi::ARX_FLAG_OP_SHIFT) as u32 & abi::ARX_FLAG_OP_MASK;
+        let op = crate::protocol::flag_op(flag);
+        let pattern = match kind {
+            CallKind::Reduce(_) => Pattern::from_code(crate::protocol::flag_pattern(flag), op),
+            _ => Pattern::Whole,
+        };
         CallDesc {
             kind,
             count,
             more: crate::protocol::flag_more(flag),
-            // Two bits, four ops: every code is one.
-            op: crate::Op::from_code(op).unwrap_or_default(),
-            pattern: match kind {
-                CallKind::Reduce(_) => Pattern::from_code(crate::protocol::flag_pattern(flag)),
-                _ => Pattern::Whole,
+            // Two bits, four ops: every code is one. A broadcast's op field
+            // is its root bit (in `pattern`): it reduces nothing.
+            op: match pattern {
+                Pattern::Broadcast { .. } => crate::Op::Sum,
+                _ => crate::Op::from_code(op).unwrap_or_default(),
             },
+            pattern,
         }
     }
 }
@@ -160,6 +176,16 @@ impl std::fmt::Display for CallDesc {
                     f,
                     "all-gather step of {n} x {} (two-shot or all_gather)",
                     d.name()
+                )?,
+                Pattern::Broadcast { root } => write!(
+                    f,
+                    "broadcast of {n} x {}{}",
+                    d.name(),
+                    if root {
+                        " as its root"
+                    } else {
+                        ", not as its root"
+                    }
                 )?,
                 Pattern::Unknown(c) => write!(f, "{n} x {} in unknown pattern {c}", d.name())?,
             },

@@ -1,10 +1,12 @@
-//! `reduce_scatter` and `all_gather` on GPU memory (NCCL's definitions, see
-//! `algo::collective`; the kernel is `kernels/twoshot.cuh`). Each rank's
+//! `reduce_scatter`, `all_gather` and `broadcast` on GPU memory (NCCL's
+//! definitions, see `algo::collective` and `algo::broadcast`; the kernels
+//! are `kernels/twoshot.cuh` and `kernels/bcast.cuh`). Each rank's
 //! calls are enqueued on its stream like [`Arx::allreduce`]'s: capturable
 //! into a CUDA graph, ordered with the instance's other calls whatever
 //! stream they use, errors returned by the next call or [`Arx::check`].
 //! Bit for bit what the host versions ([`Arx::reduce_scatter_host`],
-//! [`Arx::all_gather_host`]) give, and the same calls of the protocol: a
+//! [`Arx::all_gather_host`], [`Arx::broadcast_host`]) give, and the same
+//! calls of the protocol: a
 //! rank may make a host call where another makes a GPU call.
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
@@ -189,6 +191,91 @@ impl Arx {
         unsafe {
             self.device
                 .gpu_collective(true, input, output, n, dtype, Op::Sum, stream)
+        }
+    }
+
+    /// Broadcast on the GPU: the root's `input` lands in every rank's
+    /// `output`, bit for bit (NCCL's `ncclBroadcast`; the rules of
+    /// [`Arx::broadcast_host`]: `input` is read on the root only, its
+    /// length must equal `output`'s on every rank, a `root` that is no rank
+    /// is refused).
+    pub fn broadcast<T: Element + DeviceRepr>(
+        &mut self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        root: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let n = output.len();
+        if let Some(e) = self.bad_root(root) {
+            return self.device.refuse_gpu(n, e, stream.cu_stream());
+        }
+        if input.len() != n {
+            let e = Error::InvalidArgument(format!(
+                "broadcast: input has {} elements, output {n}",
+                input.len()
+            ));
+            return self.device.refuse_gpu(n, e, stream.cu_stream());
+        }
+        let (i, _ri) = input.device_ptr(stream);
+        let (o, _ro) = output.device_ptr_mut(stream);
+        // SAFETY: live device allocations of n elements of T in this
+        // context (checked), borrowed until the launches are enqueued; the
+        // root is a rank (checked).
+        unsafe {
+            self.device
+                .gpu_broadcast(i, o, n, T::DTYPE, root, stream.cu_stream())
+        }
+    }
+
+    /// In-place [`Arx::broadcast`]: `buf` is the root's input and every
+    /// rank's output.
+    pub fn broadcast_in_place<T: Element + DeviceRepr>(
+        &mut self,
+        buf: &mut CudaSlice<T>,
+        root: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let n = buf.len();
+        if let Some(e) = self.bad_root(root) {
+            return self.device.refuse_gpu(n, e, stream.cu_stream());
+        }
+        let (p, _r) = buf.device_ptr_mut(stream);
+        // SAFETY: as in `broadcast`; the kernel copies nothing on the root
+        // when input and output are one buffer.
+        unsafe {
+            self.device
+                .gpu_broadcast(p, p, n, T::DTYPE, root, stream.cu_stream())
+        }
+    }
+
+    /// [`Arx::broadcast`] on raw device addresses: `output` holds `n`
+    /// elements of `dtype`, and on the root `input` too (read there only;
+    /// in place when `input == output`). A `root` that is no rank is
+    /// refused with [`Error::InvalidArgument`] (its peers fail at once).
+    ///
+    /// # Safety
+    /// As [`Arx::allreduce_raw`], for those lengths; on the root `input`
+    /// must not overlap `output` other than being equal to it.
+    pub unsafe fn broadcast_raw(
+        &mut self,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        root: usize,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<()> {
+        if let Some(e) = self.bad_root(root) {
+            return self.device.refuse_gpu(n, e, stream);
+        }
+        // SAFETY: the caller's contract is the same as `gpu_broadcast`'s,
+        // and the root is a rank (checked).
+        unsafe {
+            self.device
+                .gpu_broadcast(input, output, n, dtype, root, stream)
         }
     }
 }

@@ -140,10 +140,19 @@
 //!   (`ARX_ALGO`, default [`Algo::Auto`]: [`Algo::choose`]); every element
 //!   is still reduced once, in rank order, so the result is identical.
 //!   [`Arx::reduce_scatter_host`] leaves on rank `r` bit for bit block `r`
-//!   of the all-reduce of the same inputs; [`Arx::all_gather_host`] copies
-//!   bits. Ranks whose calls run different algorithms or collectives (the
-//!   pattern travels in every flag word) all fail that call at once with
-//!   [`Error::CallMismatch`].
+//!   of the all-reduce of the same inputs; [`Arx::all_gather_host`] and
+//!   [`Arx::broadcast_host`] copy bits. Ranks whose calls run different
+//!   algorithms or collectives (the pattern travels in every flag word)
+//!   all fail that call at once with [`Error::CallMismatch`].
+//! * A broadcast ([`Arx::broadcast_host`], [`Arx::broadcast`]) is one call
+//!   per chunk in which every rank announces the count and whether it is
+//!   the root, and only the root's data travels. Ranks that disagree on
+//!   the count fail at once (the root too); ranks that disagree on the
+//!   root fail at once unless exactly one rank names itself: then the
+//!   ranks that named another root fail at once, and the root and the
+//!   ranks that named it get its data (their next call times out, the
+//!   others having failed). A root that is no rank is refused with
+//!   [`Error::InvalidArgument`], its peers failing at once.
 //!
 //! ### Start-up, timeouts and retrying
 //!
@@ -440,7 +449,7 @@ impl Arx {
     /// The stages of the last one-shot all-reduce traced on this rank (see
     /// [`Arx::trace_stages`]): the last chunk of a call longer than one
     /// slot. Stages that were not recorded are `None`. Two-shot calls,
-    /// `reduce_scatter` and `all_gather` are not traced (build with
+    /// `reduce_scatter`, `all_gather` and `broadcast` are not traced (build with
     /// `Algo::OneShot` to trace every all-reduce, as `allreduce_perf
     /// --stages` does). On a GPU instance,
     /// synchronize first ([`Arx::check`]) to read a finished call.

@@ -188,6 +188,25 @@ pub fn flag_pattern(flag: u64) -> u32 {
     (flag >> abi::ARX_FLAG_PATTERN_SHIFT) as u32 & abi::ARX_FLAG_PATTERN_MASK
 }
 
+/// The op field of a flag word (`ARX_OP_*`; of a broadcast,
+/// `ARX_BCAST_ROOT` when the sender is the root).
+pub fn flag_op(flag: u64) -> u32 {
+    (flag >> abi::ARX_FLAG_OP_SHIFT) as u32 & abi::ARX_FLAG_OP_MASK
+}
+
+/// The flag word `src` announces for call `seq`, chunk of `count`
+/// elements of `dtype`, of a broadcast from `root` (`more`: more chunks
+/// follow): the count is every rank's, the root bit only the root's.
+pub fn bcast_flag(seq: u64, dtype: u32, count: usize, more: bool, src: usize, root: usize) -> u64 {
+    let role = if src == root { abi::ARX_BCAST_ROOT } else { 0 };
+    flag_word_op(
+        seq,
+        dtype,
+        role,
+        count_field(count, more, abi::ARX_PATTERN_BCAST),
+    )
+}
+
 /// The count field of a flag word: `count` elements (at most
 /// `ARX_MAX_CHUNK`), `ARX_FLAG_MORE` if more chunks of the same call
 /// follow, and the call's `pattern`.
@@ -275,6 +294,9 @@ pub(crate) fn dest_range(flag: u64, world: usize, src: usize, dst: usize) -> Ran
         abi::ARX_PATTERN_WHOLE => 0..count,
         abi::ARX_PATTERN_SCATTER => shard(count, world, esize, dst),
         abi::ARX_PATTERN_GATHER => shard(count, world, esize, src),
+        // Only the root's partial travels; every other rank announces the
+        // count with no data.
+        abi::ARX_PATTERN_BCAST if flag_op(flag) == abi::ARX_BCAST_ROOT => 0..count,
         _ => 0..0,
     };
     elems.start * esize..elems.end * esize

@@ -1,4 +1,5 @@
-//! The all-reduce, reduce-scatter and all-gather calls: the arguments C
+//! The all-reduce, reduce-scatter, all-gather and broadcast calls: the
+//! arguments C
 //! can get wrong on their face are checked here, before anything
 //! collective happens (the call is then not made: it does not count, the
 //! comm stays usable, and no peer is told). The one exception is the
@@ -409,6 +410,74 @@ unsafe fn blocks_typed<T: Element>(arx: &mut Arx, b: &Blocks) -> Result<(), Fail
             };
             arx.all_gather_host(input, out)
         }
+    };
+    r.map_err(Failure::from)
+}
+
+/// `arxBroadcast` on checked device buffers from `root` (a rank: checked by
+/// `broadcast_raw`, which refuses it on every rank otherwise), enqueued on
+/// `stream`.
+///
+/// # Safety
+/// As [`device`]; `sendbuff` is read on the root only.
+pub(crate) unsafe fn device_bcast(
+    arx: &mut Arx,
+    b: &Buffers,
+    root: usize,
+    stream: cudaStream_t,
+) -> Result<(), Failure> {
+    // SAFETY: the caller's contract is `broadcast_raw`'s; the runtime's
+    // `cudaStream_t` and the driver's `CUstream` are the same handle.
+    unsafe {
+        arx.broadcast_raw(
+            b.send as u64,
+            b.recv as u64,
+            b.count,
+            b.dtype,
+            root,
+            stream.cast(),
+        )
+    }
+    .map_err(Failure::from)
+}
+
+/// `arxBroadcastHost` on checked buffers from `root` (refused on every
+/// rank by `broadcast_host` if it is no rank).
+///
+/// # Safety
+/// As [`host`]; `sendbuff` is read on the root only.
+pub(crate) unsafe fn host_bcast(arx: &mut Arx, b: &Buffers, root: usize) -> Result<(), Failure> {
+    // SAFETY: passed on.
+    unsafe {
+        match b.dtype {
+            Dtype::F32 => bcast_typed::<f32>(arx, b, root),
+            Dtype::F16 => bcast_typed::<f16>(arx, b, root),
+            Dtype::Bf16 => bcast_typed::<bf16>(arx, b, root),
+        }
+    }
+}
+
+/// # Safety
+/// As [`host_bcast`], with `T` the element type of `b.dtype`.
+unsafe fn bcast_typed<T: Element>(arx: &mut Arx, b: &Buffers, root: usize) -> Result<(), Failure> {
+    let align = std::mem::align_of::<T>();
+    if b.send % align != 0 || b.recv % align != 0 {
+        return Err(Failure::invalid(format!(
+            "sendbuff {:#x} or recvbuff {:#x} is not aligned to {align} bytes, the alignment of {}",
+            b.send,
+            b.recv,
+            b.dtype.name()
+        )));
+    }
+    // SAFETY: non-NULL, aligned, `count` elements (checked to fit in
+    // isize), valid and unshared for the call (the caller's contract).
+    let out = unsafe { std::slice::from_raw_parts_mut(b.recv as *mut T, b.count) };
+    let r = if b.in_place() {
+        arx.broadcast_host_in_place(out, root)
+    } else {
+        // SAFETY: as `out`; disjoint from it (checked).
+        let input = unsafe { std::slice::from_raw_parts(b.send as *const T, b.count) };
+        arx.broadcast_host(input, out, root)
     };
     r.map_err(Failure::from)
 }

@@ -480,5 +480,104 @@ pub unsafe extern "C" fn arxAllGatherHost(
     unsafe { comm::with_comm("arxAllGatherHost", comm, f) }
 }
 
+/// The local checks of a broadcast, as `arxAllReduce`'s (arguments wrong
+/// on their face: refused on this rank only, nothing is sent and the comm
+/// stays usable). A `sendbuff` of NULL is taken as `recvbuff` on ranks
+/// other than the root, which never read it.
+fn bcast_face(
+    st: &comm::State,
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+) -> Result<call::Buffers, Failure> {
+    let d = call::dtype(datatype)?;
+    let send = if sendbuff.is_null() && usize::try_from(root).ok() != Some(st.arx.rank()) {
+        recvbuff.cast_const()
+    } else {
+        sendbuff
+    };
+    call::Buffers::check(send, recvbuff, count, d, arx::Op::Sum)
+}
+
+/// The root as a rank index: a negative one is refused through
+/// `Arx::refuse_call`, so that every peer fails at once (one at or above
+/// the rank count is refused so by `broadcast_raw` / `broadcast_host`).
+fn bcast_root(st: &mut comm::State, root: c_int, count: usize) -> Result<usize, Failure> {
+    usize::try_from(root).map_err(|_| {
+        let world = st.arx.world();
+        let e = Error::InvalidArgument(format!(
+            "broadcast: root {root} is not a rank of this {world}-rank comm"
+        ));
+        Failure::from(st.arx.refuse_call(count, e))
+    })
+}
+
+/// Broadcast (NCCL's `ncclBroadcast`): the root's `sendbuff` of `count`
+/// elements lands in every rank's `recvbuff`, bit for bit. `sendbuff` is
+/// read on the root only (NULL is accepted elsewhere); `sendbuff ==
+/// recvbuff` is in place. Every rank passes the same `count`, `datatype`
+/// and `root`: a `root` that is no rank is refused with
+/// `arxInvalidArgument` on this rank and its peers fail at once
+/// (`arxMismatch` naming it), as do ranks that disagree on the count
+/// or the root. Device memory on `stream`, as `arxAllReduce`
+/// (graph-capturable); `arxBroadcastHost` runs on host memory.
+///
+/// # Safety
+/// As `arxAllReduce`, for `count` elements at `recvbuff` and, on the
+/// root, at `sendbuff`.
+#[no_mangle]
+pub unsafe extern "C" fn arxBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+    comm: arxComm_t,
+    stream: cudaStream_t,
+) -> RawResult {
+    let f = |c: &arxComm, st: &mut comm::State| {
+        let b = bcast_face(st, sendbuff, recvbuff, count, datatype, root)?;
+        if !c.gpu() {
+            return Err(host_side("arxBroadcastHost"));
+        }
+        let root = bcast_root(st, root, count)?;
+        // SAFETY: the buffers and the stream are the caller's contract;
+        // sized as checked.
+        unsafe { call::device_bcast(&mut st.arx, &b, root, stream) }
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxBroadcast", comm, f) }
+}
+
+/// `arxBroadcast` on host memory; returns when `recvbuff` holds the
+/// result. Works on a comm of either side (on the GPU side it synchronizes
+/// the GPU first).
+///
+/// # Safety
+/// `recvbuff` is writable for `count` elements of `datatype` and, on the
+/// root, `sendbuff` readable for as many (NULL or ignored elsewhere), both
+/// aligned to the element, and nothing else touches them during the call;
+/// `comm` is NULL (refused) or live.
+#[no_mangle]
+pub unsafe extern "C" fn arxBroadcastHost(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: RawDataType,
+    root: c_int,
+    comm: arxComm_t,
+) -> RawResult {
+    let f = |_: &arxComm, st: &mut comm::State| {
+        let b = bcast_face(st, sendbuff, recvbuff, count, datatype, root)?;
+        let root = bcast_root(st, root, count)?;
+        // SAFETY: the buffers are the caller's contract; sized as checked.
+        unsafe { call::host_bcast(&mut st.arx, &b, root) }
+    };
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    unsafe { comm::with_comm("arxBroadcastHost", comm, f) }
+}
+
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
 /* arx's C ABI on device buffers, checking itself: eager calls on a CUDA
- * stream, then CUDA graphs that capture arxAllReduce, replayed many times.
+ * stream (all-reduce, reduce-scatter, all-gather, broadcast), then CUDA
+ * graphs that capture arxAllReduce, replayed many times.
  * scripts/gpu-c-example builds and runs it (several ranks on one GPU need
  * MPS):
  *
@@ -241,6 +242,37 @@ int main(int argc, char **argv) {
         }
     }
 
+    /* Broadcast on device memory from every root, every type, out of place
+     * and in place, up to the whole slot: the root's bits everywhere (a
+     * non-root's own input, sent too, must be ignored). */
+    for (int t = REF_F32; t < REF_TYPES; t++) {
+        const size_t ns[] = {1, 1000, b.cap / ref_size(t)};
+        for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+            size_t n = ns[k], es = ref_size(t);
+            unsigned char *want = (unsigned char *)malloc(n * es);
+            for (int root = 0; root < world; root++)
+                for (int in_place = 0; in_place < 2; in_place++) {
+                    char what[96];
+                    snprintf(what, sizeof what, "broadcast %s x %zu from %d %s", ref_type_name[t], n, root,
+                             in_place ? "in place" : "out of place");
+                    uint64_t c = call++;
+                    ref_fill(t, c, root, world, n, want, b.expect);
+                    ref_fill(t, c, rank, world, n, b.hsend, b.expect);
+                    CUDA(cudaMemsetAsync(b.drecv, REF_POISON, n * es, b.s));
+                    void *in = in_place ? b.drecv : b.dsend;
+                    if (!in_place || rank == root)
+                        CUDA(cudaMemcpyAsync(in, b.hsend, n * es, cudaMemcpyHostToDevice, b.s));
+                    r = arxBroadcast(in, b.drecv, n, (arxDataType_t)t, root, comm, b.s);
+                    CHECK(r == arxSuccess, "%s: %s", what, arxGetLastError(comm));
+                    memset(b.hrecv, REF_POISON, n * es);
+                    CUDA(cudaMemcpyAsync(b.hrecv, b.drecv, n * es, cudaMemcpyDeviceToHost, b.s));
+                    CUDA(cudaStreamSynchronize(b.s));
+                    CHECK(memcmp(b.hrecv, want, n * es) == 0, "%s: not the root's bits", what);
+                }
+            free(want);
+        }
+    }
+
     /* Graphs, replayed many times with new inputs. */
     graph(comm, &b, REF_BF16, 4096, 0, 500, cudaStreamCaptureModeGlobal, &call);
     graph(comm, &b, REF_F16, 1000, 1, 300, cudaStreamCaptureModeThreadLocal, &call);
@@ -251,6 +283,8 @@ int main(int argc, char **argv) {
     CHECK(r == arxInvalidArgument, "bad datatype: got %d", r);
     r = arxAllReduce(b.dsend, (char *)b.dsend + 4, 16, arxFloat32, arxSum, comm, b.s);
     CHECK(r == arxInvalidArgument, "overlapping buffers: got %d", r);
+    r = arxBroadcast(b.dsend, NULL, 16, arxFloat32, 0, comm, b.s);
+    CHECK(r == arxInvalidArgument, "broadcast NULL recvbuff: got %d", r);
 
     /* A count that differs on the last rank: enqueued fine, the kernel
      * records the mismatch on every rank, and the output is NaN. */

@@ -1,4 +1,5 @@
-/* arx's reduce-scatter and all-gather through the C ABI on host buffers,
+/* arx's reduce-scatter, all-gather and broadcast through the C ABI on host
+ * buffers,
  * checking itself: run it under mpirun with any number of ranks
  * (scripts/test-capi runs 2 and 3).
  *
@@ -12,6 +13,8 @@
  * sum, max, min and avg. All-gather: every rank's n elements are random
  * bytes (NaN payloads and signalling NaNs included: the call moves bits, it
  * converts nothing), and every rank must hold all of them in rank order.
+ * Broadcast: from every root, random bytes again, the root's on every
+ * rank (a non-root's sendbuff, its own bytes or NULL, is never read).
  * Outputs are poisoned before each call; in place (NCCL's rule:
  * recvbuff == sendbuff + rank * recvcount for reduce-scatter, sendbuff ==
  * recvbuff + rank * sendcount for all-gather) and out of place; a 4 KiB
@@ -19,7 +22,10 @@
  * arguments refused locally (the comm stays usable), a device call on a
  * host comm, a count that differs on the last rank (arxMismatch on every
  * rank at once), and recvbuff == sendbuff on every rank — in place on rank 0
- * only, refused on every other rank, which makes rank 0 fail at once too.
+ * only, refused on every other rank, which makes rank 0 fail at once too;
+ * a broadcast root of -1 on rank 0 (arxInvalidArgument there, arxMismatch
+ * on its peers at once) and a broadcast count that differs on the last
+ * rank (arxMismatch on every rank at once, the root too).
  * Prints PASS or FAIL on rank 0 and exits non-zero on any failure. */
 #include <arx.h>
 #include <mpi.h>
@@ -118,6 +124,36 @@ static void checked_ag(arxComm_t comm, int t, size_t n, int in_place, uint64_t c
     free(send); free(keep); free(recv); free(expect);
 }
 
+/* One checked broadcast of n elements from root. In place, a non-root's
+ * buffer starts poisoned; out of place, a non-root passes its own bytes
+ * or, on odd calls, NULL as sendbuff. */
+static void checked_bc(arxComm_t comm, int t, size_t n, int root, int in_place, uint64_t call) {
+    size_t bytes = n * ref_size(t);
+    unsigned char *send = malloc(bytes + 1), *keep = malloc(bytes + 1);
+    unsigned char *recv = malloc(bytes + 1), *expect = malloc(bytes + 1);
+    ag_input(call, root, bytes, expect);
+    ag_input(call, rank, bytes, send);
+    memcpy(keep, send, bytes);
+    memset(recv, REF_POISON, bytes);
+    arxResult_t r;
+    if (in_place) {
+        if (rank == root) memcpy(recv, send, bytes);
+        r = arxBroadcastHost(recv, recv, n, (arxDataType_t)t, root, comm);
+    } else {
+        const void *s = rank != root && (call & 1) ? NULL : send;
+        r = arxBroadcastHost(s, recv, n, (arxDataType_t)t, root, comm);
+    }
+    char what[112];
+    snprintf(what, sizeof what, "broadcast: %s x %zu from %d %s (call %llu)", ref_type_name[t], n, root,
+             in_place ? "in place" : "out of place", (unsigned long long)call);
+    CHECK(r == arxSuccess, "%s: %s: %s", what, arxGetErrorString(r), arxGetLastError(comm));
+    size_t first, wrong = ref_wrong_bits(t, recv, expect, n, &first);
+    CHECK(wrong == 0, "%s: %zu wrong elements, first at %zu", what, wrong, first);
+    CHECK(memcmp(send, keep, bytes) == 0, "%s: sendbuff was changed", what);
+    same_on_every_rank(recv, bytes, what);
+    free(send); free(keep); free(recv); free(expect);
+}
+
 static arxComm_t make_comm(arxConfig_t *config) {
     arxComm_t comm = NULL;
     arxResult_t r = arxCommInit(&comm, MPI_COMM_WORLD, config);
@@ -151,6 +187,8 @@ int main(int argc, char **argv) {
             for (int in_place = 0; in_place < 2; in_place++) {
                 checked_rs(comm, t, REF_SUM, counts[k], in_place, call++);
                 checked_ag(comm, t, counts[k], in_place, call++);
+                for (int root = 0; root < world; root++)
+                    checked_bc(comm, t, counts[k], root, in_place, call++);
             }
     const int ops[] = {arxMax, arxMin, arxAvg};
     for (int o = 0; o < 3; o++)
@@ -191,11 +229,23 @@ int main(int argc, char **argv) {
     CHECK(strstr(arxGetLastError(comm), "arxReduceScatterHost") != NULL, "last error: %s", arxGetLastError(comm));
     r = arxAllGather(a, b, 64, arxFloat32, comm, NULL);
     CHECK(r == arxInvalidUsage, "device all-gather on a host comm: got %d", r);
+    r = arxBroadcast(a, b, 64, arxFloat32, 0, comm, NULL);
+    CHECK(r == arxInvalidUsage, "device broadcast on a host comm: got %d", r);
+    CHECK(strstr(arxGetLastError(comm), "arxBroadcastHost") != NULL, "last error: %s", arxGetLastError(comm));
+    r = arxBroadcastHost(a, b, 64, (arxDataType_t)7, 0, comm);
+    CHECK(r == arxInvalidArgument, "broadcast datatype 7: got %d", r);
+    r = arxBroadcastHost(a, NULL, 64, arxFloat32, 0, comm);
+    CHECK(r == arxInvalidArgument, "broadcast NULL recvbuff: got %d", r);
+    r = arxBroadcastHost(NULL, b, 64, arxFloat32, rank, comm);
+    CHECK(r == arxInvalidArgument, "broadcast NULL sendbuff on the root: got %d", r);
+    r = arxBroadcastHost(a, (char *)a + 4, 64, arxFloat32, 0, comm);
+    CHECK(r == arxInvalidArgument, "broadcast overlapping buffers: got %d", r);
     arxResult_t async = arxInternalError;
     r = arxCommGetAsyncError(comm, &async);
     CHECK(r == arxSuccess && async == arxSuccess, "async error after refused calls: %d, %d", r, async);
     checked_rs(comm, arxFloat32, REF_SUM, 100, 0, call++); /* still usable */
     checked_ag(comm, arxBfloat16, 100, 1, call++);
+    checked_bc(comm, arxFloat16, 100, last, 0, call++);
 
     /* A reduce-scatter whose recvcount differs on the last rank: every
      * rank fails at once (not by the 20 s timeout), and the comm stays
@@ -231,12 +281,34 @@ int main(int argc, char **argv) {
         CHECK(arxCommDestroy(comm) == arxSuccess, "arxCommDestroy: %s", arxGetLastError(NULL));
     }
 
+    /* Broadcast: a root of -1 on rank 0 only (refused there and told to
+     * the peers), then a count one larger on the last rank (the root sees
+     * it too): every rank fails at once. Each on a new comm. */
+    for (int which = 0; which < 2; which++) {
+        comm = make_comm(&config);
+        t0 = MPI_Wtime();
+        int root = which == 0 && rank == 0 ? -1 : 0;
+        size_t n = which == 1 && rank == last ? 101 : 100;
+        r = arxBroadcastHost(x, y, n, arxFloat32, root, comm);
+        took = MPI_Wtime() - t0;
+        const char *name = which == 0 ? "broadcast root -1 on rank 0" : "broadcast count on the last rank";
+        arxResult_t want = which == 0 && rank == 0 ? arxInvalidArgument : arxMismatch;
+        CHECK(r == want, "%s: got %s (%d): %s", name, arxGetErrorString(r), r, arxGetLastError(comm));
+        CHECK(took < 10.0, "%s: the error took %.1f s", name, took);
+        CHECK(which == 1 || rank != 0 || strstr(arxGetLastError(comm), "root -1") != NULL, "%s: message %s",
+              name, arxGetLastError(comm));
+        if (rank == 0) printf("%s: every rank fails; rank 0 after %.3f s: %s\n", name, took, arxGetLastError(comm));
+        CHECK(arxCommDestroy(comm) == arxSuccess, "arxCommDestroy: %s", arxGetLastError(NULL));
+    }
+
     /* The default slot (1 MiB), from the environment and defaults. */
     comm = make_comm(NULL);
     checked_rs(comm, arxFloat32, REF_SUM, 70001, 0, call++);
     checked_rs(comm, arxBfloat16, REF_AVG, 70001, 1, call++);
     checked_ag(comm, arxFloat16, 70001, 0, call++);
     checked_ag(comm, arxFloat32, 70001, 1, call++);
+    checked_bc(comm, arxBfloat16, 700001, last, 0, call++);
+    checked_bc(comm, arxFloat32, 700001, 0, 1, call++);
     CHECK(arxCommDestroy(comm) == arxSuccess, "arxCommDestroy: %s", arxGetLastError(NULL));
     free(a); free(b); free(x); free(y);
 

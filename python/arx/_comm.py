@@ -1,5 +1,6 @@
 """``arx.Comm``: an arx instance on an mpi4py communicator, and the dispatch
-of ``allreduce`` (and of ``reduce_scatter``/``all_gather``) by argument kind
+of ``allreduce`` (and of ``reduce_scatter``/``all_gather``/``broadcast``) by
+argument kind
 (host buffer, torch tensor, CUDA array interface, DLPack)."""
 
 import itertools
@@ -382,6 +383,48 @@ class Comm:
         ``out`` are disjoint unless ``x`` is this rank's block of ``out``.
         """
         self._blocks("all_gather", x, out, None, dtype, stream)
+        return x if out is None else out
+
+    # -- broadcast -------------------------------------------------------------
+    def broadcast(self, x, out=None, root=0, *, stream=None, dtype=None):
+        """Broadcast (NCCL's definition): the root's ``x`` lands in every
+        rank's ``out`` (as many elements), bits unchanged. In place when
+        ``out`` is None (or ``x`` itself): ``x`` is the root's input and
+        every rank's result. ``x`` is read on the root only, but its length
+        must equal ``out``'s on every rank. Every rank passes the same
+        ``root`` and length; a ``root`` that is no rank raises
+        ``arx.InvalidArgumentError`` there and ``arx.CallMismatchError`` on
+        its peers, at once, as do ranks that disagree on the root or the
+        length. Returns the array holding the result (``x`` in place).
+
+        Host buffers and CPU torch tensors, as ``allreduce``; CUDA tensors
+        and arrays raise ``arx.UnsupportedError`` (see ``reduce_scatter``).
+        """
+        c = self._c
+        if c is None:
+            raise ClosedError("this arx.Comm is closed")
+        kind = _kind(x)
+        if out is not None and _kind(out) != kind:
+            c.refuse(
+                _count(x),
+                f"input is a {type(x).__name__} ({kind}) but out is a {type(out).__name__} "
+                f"({_kind(out)}): both must be the same kind of array",
+            )
+        if kind in ("torch-cuda", "cai", "dlpack-cuda"):
+            # GPU: wire Arx::broadcast_raw here
+            c.refuse(
+                _count(x),
+                f"broadcast on a CUDA array ({type(x).__name__}): the GPU side of "
+                "broadcast is not in this build; pass host arrays (NumPy, CPU tensors)",
+                True,
+            )
+        if not isinstance(root, int) or isinstance(root, bool) or not -(2**63) <= root < 2**63:
+            c.refuse(_count(x), f"broadcast: root={root!r} is not a rank of this {self.size}-rank comm")
+        if kind == "torch-cpu":
+            xv, ov, dt = self._torch_cpu_views(x, None if out is x else out)
+        else:
+            xv, ov, dt = self._host_views(x, None if out is x else out, dtype)
+        c.broadcast_host(xv, ov, dt, root)
         return x if out is None else out
 
     def _blocks(self, name, x, out, op, dtype, stream=None):

@@ -1,7 +1,7 @@
 //! Host buffers (NumPy arrays, anything with the buffer protocol): the
 //! checks arx cannot make itself (element type, layout, writability,
-//! overlap), then `Arx::allreduce_host`, `Arx::reduce_scatter_host` or
-//! `Arx::all_gather_host`.
+//! overlap), then `Arx::allreduce_host`, `Arx::reduce_scatter_host`,
+//! `Arx::all_gather_host` or `Arx::broadcast_host`.
 
 use arx::{Arx, Dtype, Error};
 use pyo3::buffer::PyUntypedBuffer;
@@ -235,6 +235,52 @@ unsafe fn typed<T: arx::Element>(arx: &mut Arx, c: &HostCall, op: arx::Op) -> ar
                 unsafe { std::slice::from_raw_parts(in_addr as *const T, in_n) }
             };
             arx.allreduce_host_op(input, out, op)
+        }
+    }
+}
+
+/// Runs the checked call ([`pair`]) as a broadcast from `root` (in place
+/// when `c.input` is None).
+///
+/// # Safety
+/// As [`run`].
+pub(crate) unsafe fn run_bcast(arx: &mut Arx, c: &HostCall, root: usize) -> arx::Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.dtype {
+            Dtype::F32 => bcast_typed::<f32>(arx, c, root),
+            Dtype::F16 => bcast_typed::<half::f16>(arx, c, root),
+            Dtype::Bf16 => bcast_typed::<half::bf16>(arx, c, root),
+        }
+    }
+}
+
+/// # Safety
+/// As [`run`], with `T` the element type of `c.dtype`.
+unsafe fn bcast_typed<T: arx::Element>(
+    arx: &mut Arx,
+    c: &HostCall,
+    root: usize,
+) -> arx::Result<()> {
+    let (out_addr, out_n) = c.out;
+    let out: &mut [T] = if out_n == 0 {
+        &mut []
+    } else {
+        // SAFETY: `run`'s contract: a writable, aligned, exported buffer of
+        // `out_n` elements of T that nothing else accesses during the call.
+        unsafe { std::slice::from_raw_parts_mut(out_addr as *mut T, out_n) }
+    };
+    match c.input {
+        None => arx.broadcast_host_in_place(out, root),
+        Some((in_addr, in_n)) => {
+            let input: &[T] = if in_n == 0 {
+                &[]
+            } else {
+                // SAFETY: `run`'s contract: an aligned, exported buffer of
+                // `in_n` elements of T, disjoint from `out` (checked by `pair`).
+                unsafe { std::slice::from_raw_parts(in_addr as *const T, in_n) }
+            };
+            arx.broadcast_host(input, out, root)
         }
     }
 }

@@ -355,6 +355,53 @@ impl Comm {
         blocks_host(slf, py, host::Coll::AllGather, input, out, dtype, "sum")
     }
 
+    /// Broadcast on host buffers from `root`: the root's `input` into
+    /// every rank's `out` (same length), or in place when `out` is None or
+    /// `input` itself. `dtype` as `allreduce_host`. A `root` that is no rank
+    /// (negative too) is refused on every rank at once.
+    #[pyo3(signature = (input, out=None, dtype=None, root=0))]
+    fn broadcast_host(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        input: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+        dtype: Option<&str>,
+        root: i64,
+    ) -> PyResult<()> {
+        let mut me = borrow(py, slf)?;
+        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let world = arx.world();
+        let checked = (|| {
+            let root = usize::try_from(root).map_err(|_| {
+                Error::InvalidArgument(format!(
+                    "broadcast: root {root} is not a rank of this {world}-rank comm"
+                ))
+            })?;
+            let bf16 = bf16_keyword(dtype)?;
+            let i = host::view(input, "input", out.is_none(), bf16)?;
+            let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
+            let call = host::pair(&i, o.as_ref())?;
+            Ok((i, o, call, root))
+        })();
+        let (i, o, call, root) = match checked {
+            Ok(c) => c,
+            Err(e) => {
+                let e = arx.refuse_call(host::count_hint(input), e);
+                return Err(arx_err(py, e));
+            }
+        };
+        let arx = SendArx(arx);
+        let r = py.detach(move || {
+            let arx = arx;
+            // SAFETY: `i` and `o` hold the exports checked by `view` and
+            // `pair` until after this call; the GIL is released, and the
+            // docs tell callers not to touch the arrays during the call.
+            unsafe { host::run_bcast(arx.0, &call, root) }
+        });
+        drop((i, o));
+        r.map_err(|e| arx_err(py, e))
+    }
+
     /// GPU call on device addresses (torch tensors, CuPy arrays), enqueued
     /// on `stream`. Private: `arx.Comm.allreduce` passes addresses of live
     /// tensors it holds; `in_bytes`/`out_bytes` are their extents, for the

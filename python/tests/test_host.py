@@ -623,5 +623,131 @@ def reduce_scatter_and_all_gather_refuse_cuda_arrays_on_a_host_instance():
             check(dt < PROMPT, f"cuda {name}: took {dt:.1f} s")
 
 
+# ---- broadcast ----------------------------------------------------------------
+
+@case
+def broadcast_on_host_buffers():
+    """Every dtype; n from 0 to beyond a 4 KiB slot (chunked); every root;
+    out of place (a non-root's own input must be ignored), in place
+    (out=None; a non-root's buffer poisoned) and out = x; random bits
+    (NaN payloads included) arriving unchanged."""
+    with arx.Comm(WORLD, slot_bytes=4096) as comm:
+        cid = 5000
+        for dtype in ("float32", "float16", "bfloat16"):
+            kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+            for n in (0, 1, 5, 1000, 2500):
+                for root in range(SIZE):
+                    for mode in ("out", "none", "same"):
+                        cid += 1
+                        name = f"broadcast {dtype} n={n} root={root} {mode}"
+                        mine = ag_input(cid, n, dtype, RANK)
+                        want = ag_input(cid, n, dtype, root)
+                        if mode == "out":
+                            x = mine.copy()
+                            out = poison(n, dtype)
+                            got = comm.broadcast(x, out, root, **kw)
+                            check(got is out, f"{name}: did not return out")
+                            check(same_bits(x, mine), f"{name}: the input changed")
+                        else:
+                            out = mine.copy() if RANK == root else poison(n, dtype)
+                            if mode == "none":
+                                got = comm.broadcast(out, root=root, **kw)
+                            else:
+                                got = comm.broadcast(out, out, root=root, **kw)
+                            check(got is out, f"{name}: did not return the array")
+                        check(same_bits(out, want), f"{name}: {wrong(out, want)}")
+        # Then an all-reduce on the same Comm.
+        call_and_check(comm, 5999, 300, "float32", False, "an all-reduce after the broadcasts")
+
+
+@case
+def broadcast_takes_ml_dtypes_and_torch_cpu():
+    try:
+        import ml_dtypes
+    except ImportError:
+        ml_dtypes = None
+        note("ml_dtypes not installed: bfloat16 NumPy arrays not tried in broadcast")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        note("torch not installed: CPU tensors not tried in broadcast")
+    with arx.Comm(WORLD) as comm:
+        root = SIZE - 1
+        mine, want = ag_input(5100, 300, "bfloat16", RANK), ag_input(5100, 300, "bfloat16", root)
+        if ml_dtypes is not None:
+            out = poison(300, "bfloat16").view(ml_dtypes.bfloat16)
+            comm.broadcast(mine.view(ml_dtypes.bfloat16), out, root)
+            check(same_bits(out.view(np.uint16), want), "ml_dtypes broadcast")
+        if torch is not None:
+            t = torch.from_numpy(mine.view(np.int16).copy()).view(torch.bfloat16)
+            o = torch.empty(300, dtype=torch.bfloat16)
+            comm.broadcast(t, o, root)
+            check(same_bits(o.view(torch.int16).numpy().view(np.uint16), want), "torch cpu broadcast")
+            x = torch.from_numpy(ag_input(5101, 50, "float32", RANK).copy())
+            comm.broadcast(x, root=0)
+            check(same_bits(x.numpy(), ag_input(5101, 50, "float32", 0)), "torch cpu broadcast in place")
+
+
+@case
+def broadcast_refuses_bad_arguments():
+    """Each bad call (the same on every rank) raises InvalidArgumentError
+    on every rank, naming what is wrong; a fresh Comm for each."""
+    n = 16
+    big = np.zeros(2 * n, np.float32)
+    ro = np.zeros(n, np.float32)
+    ro.flags.writeable = False
+    bad = [
+        ("root = size", lambda c: c.broadcast(np.zeros(n, np.float32), root=SIZE), ("root", "not a rank")),
+        ("root -1", lambda c: c.broadcast(np.zeros(n, np.float32), root=-1), ("root -1",)),
+        ("root 2**70", lambda c: c.broadcast(np.zeros(n, np.float32), root=2**70), ("root",)),
+        ("root 1.0", lambda c: c.broadcast(np.zeros(n, np.float32), root=1.0), ("root",)),
+        ("lengths", lambda c: c.broadcast(np.zeros(n, np.float32), np.zeros(n + 1, np.float32)),
+         ("broadcast", f"input has {n} elements, output {n + 1}")),
+        ("overlap", lambda c: c.broadcast(big[:n], big[1:n + 1]), ("overlaps",)),
+        ("read-only in place", lambda c: c.broadcast(ro), ("read-only",)),
+        ("dtype pair", lambda c: c.broadcast(np.zeros(n, np.float32), np.zeros(n, np.float16)),
+         ("float32", "float16")),
+        ("float64", lambda c: c.broadcast(np.zeros(n)), ("float64",)),
+    ]
+    for name, fn, words in bad:
+        with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: fn(comm), arx.InvalidArgumentError, contains=words, name=name)
+            check(dt < PROMPT, f"{name}: took {dt:.1f} s")
+            expect_error(lambda: comm.broadcast(np.zeros(n, np.float32)),
+                         arx.Error, name=f"{name}: the Comm stays failed")
+
+
+@case
+def broadcast_disagreements_fail_every_rank_at_once():
+    """Rank 0 names root 1, the others root 0; every rank names itself; the
+    last rank passes one element more; rank 0 passes a root that is no
+    rank (InvalidArgumentError there): every rank raises at once."""
+    n = 32
+    shapes = [
+        ("root", n, 1 if RANK == 0 else 0),
+        ("every rank its own root", n, RANK),
+        ("length on the last rank", n + (1 if RANK == SIZE - 1 else 0), 0),
+        ("root out of range on rank 0", n, SIZE if RANK == 0 else 0),
+    ]
+    for name, m, root in shapes:
+        with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+            cls = arx.CallMismatchError
+            if name == "root out of range on rank 0" and RANK == 0:
+                cls = arx.InvalidArgumentError
+            x = ag_input(5200, m, "float32", RANK)
+            e, dt = expect_error(lambda: comm.broadcast(x, poison(m, "float32"), root), cls, name=name)
+            check(dt < PROMPT, f"broadcast {name}: took {dt:.1f} s")
+
+
+@case
+def broadcast_refuses_cuda_arrays():
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        e, dt = expect_error(lambda: comm.broadcast(FakeCudaArray(), FakeCudaArray()), arx.UnsupportedError,
+                             contains=("GPU side of broadcast",), name="cuda broadcast")
+        check(isinstance(e, NotImplementedError), "cuda broadcast: UnsupportedError is a NotImplementedError")
+        check(dt < PROMPT, f"cuda broadcast: took {dt:.1f} s")
+
+
 if __name__ == "__main__":
     sys.exit(main("test_host.py"))

@@ -43,7 +43,7 @@ pub(crate) enum Bufs<'a, T> {
 }
 
 /// Ends a call: copy-engine staging waits for its own sends; `done`.
-fn finish(env: &Env<'_>, seq: u64) -> Result<()> {
+pub(crate) fn finish(env: &Env<'_>, seq: u64) -> Result<()> {
     if env.cfg.staging == Staging::CopyEngine {
         wait_sent(env, seq)?;
     }

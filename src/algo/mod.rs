@@ -7,8 +7,10 @@
 //! calls of at most one slot each (on the GPU side: one launch per chunk);
 //! `twoshot.rs` is the two-shot all-reduce (a reduce-scatter step, then an
 //! all-gather step); `collective.rs` has `reduce_scatter` and
-//! `all_gather`, those two steps on their own.
+//! `all_gather`, those two steps on their own; `broadcast.rs` has
+//! `broadcast` (the root's partial to every rank, nothing reduced).
 
+pub(crate) mod broadcast;
 pub(crate) mod chunked;
 pub(crate) mod collective;
 pub(crate) mod oneshot;

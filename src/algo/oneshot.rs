@@ -241,6 +241,16 @@ pub(crate) fn pipelined<T: Element>(
 /// poison) fails the call at once naming it. On return every peer's data
 /// for the call may be read.
 pub(crate) fn wait_flags(env: &Env<'_>, seq: u64, flag: u64) -> Result<()> {
+    wait_flags_from(env, seq, |_| flag)
+}
+
+/// [`wait_flags`] where peer `q`'s word is `expect(q)` (a broadcast's
+/// root announces itself, its other ranks do not).
+pub(crate) fn wait_flags_from(
+    env: &Env<'_>,
+    seq: u64,
+    expect: impl Fn(usize) -> u64,
+) -> Result<()> {
     let Env {
         region,
         layout,
@@ -266,7 +276,7 @@ pub(crate) fn wait_flags(env: &Env<'_>, seq: u64, flag: u64) -> Result<()> {
             }
             // Flag i: peer number i / 2 in `Layout::peers` order, lane i % 2.
             let (q, lane) = (layout.peer(i / 2), i % 2);
-            match protocol::look(&mem, seq, flag, q, lane) {
+            match protocol::look(&mem, seq, expect(q), q, lane) {
                 Look::Missing(_) => continue,
                 Look::Mismatch(f) => {
                     return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
@@ -296,9 +306,9 @@ pub(crate) fn wait_flags(env: &Env<'_>, seq: u64, flag: u64) -> Result<()> {
                 .find(|&i| arrived[i / 64] & (1 << (i % 64)) == 0)
                 .unwrap_or(0);
             let (q, lane) = (layout.peer(i / 2), i % 2);
-            let f = match protocol::look(&mem, seq, flag, q, lane) {
+            let f = match protocol::look(&mem, seq, expect(q), q, lane) {
                 Look::Missing(f) | Look::Mismatch(f) => f,
-                Look::Arrived => flag,
+                Look::Arrived => expect(q),
             };
             return Err(env.fail(code, q, lane as u32, seq, f));
         }

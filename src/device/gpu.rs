@@ -92,11 +92,11 @@ pub(crate) fn device_count() -> Result<usize> {
 }
 
 /// A loaded module and its kernels (one-shot bf16, f16, f32, conversion
-/// check, collective bf16, f16, f32).
+/// check, collective bf16, f16, f32, broadcast bf16, f16, f32).
 struct Module {
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
-    funcs: [sys::CUfunction; 7],
+    funcs: [sys::CUfunction; 10],
 }
 
 // SAFETY: module and function handles are plain driver handles, usable from
@@ -112,7 +112,7 @@ impl Module {
         // device's architecture; the driver copies it.
         let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
             .map_err(cuda_err("cuModuleLoadData"))?;
-        let mut funcs = [std::ptr::null_mut(); 7];
+        let mut funcs = [std::ptr::null_mut(); 10];
         for (f, name) in funcs.iter_mut().zip([
             "arx_allreduce_bf16",
             "arx_allreduce_f16",
@@ -121,6 +121,9 @@ impl Module {
             "arx_collective_bf16",
             "arx_collective_f16",
             "arx_collective_f32",
+            "arx_broadcast_bf16",
+            "arx_broadcast_f16",
+            "arx_broadcast_f32",
         ]) {
             let c = CString::new(name).unwrap_or_default();
             // SAFETY: `module` was loaded above and stays loaded while
@@ -157,6 +160,15 @@ impl Module {
             Dtype::Bf16 => self.funcs[4],
             Dtype::F16 => self.funcs[5],
             Dtype::F32 => self.funcs[6],
+        }
+    }
+
+    /// The broadcast kernel (`kernels/bcast.cuh`) of `dtype`.
+    fn broadcast(&self, dtype: Dtype) -> sys::CUfunction {
+        match dtype {
+            Dtype::Bf16 => self.funcs[7],
+            Dtype::F16 => self.funcs[8],
+            Dtype::F32 => self.funcs[9],
         }
     }
 }
@@ -789,6 +801,91 @@ impl GpuSide {
             )
         }
         .map_err(cuda_err("cuLaunchKernel"))
+    }
+
+    /// Enqueues a broadcast from `root` of `n` elements on `stream`
+    /// (`kernels/bcast.cuh`): one kernel launch per chunk of at most `per`
+    /// elements (`algo::chunked::chunks`, as the host side chunks it),
+    /// after the root's copy-engine staging if chosen; ordered with the
+    /// instance's other launches as [`GpuSide::launch`] orders them.
+    ///
+    /// # Safety
+    /// As [`GpuSide::launch`]: `output` holds `n` elements, and on the root
+    /// `input` too (it may equal `output`; it is read on the root only).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch_broadcast(
+        &mut self,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        per: usize,
+        root: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let cap = self.order.before(stream)?;
+        let esize = dtype.size();
+        let is_root = root == self.layout.rank();
+        let ce = self.staging == Staging::CopyEngine;
+        let r = chunked::chunks(n, per).try_for_each(|c| {
+            let at = (c.range.start * esize) as u64;
+            let count = c.range.len();
+            let (input, output) = (input + at, output + at);
+            if ce && is_root && count > 0 {
+                // Both slots (the parity lives in device memory), as in
+                // `launch_one`; only the root's partial travels.
+                for parity in 0..2 {
+                    let dst = self.region_dev + self.layout.send_offset(parity) as u64;
+                    // SAFETY: `dst` is a send slot of the mapped region (the
+                    // chunk holds at most one slot's worth), the source lies
+                    // within the caller's input, on the caller's stream.
+                    unsafe { result::memcpy_dtod_async(dst, input, count * esize, stream) }
+                        .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
+                }
+            }
+            let mut params = abi::arx_params_t {
+                region: self.region_dev,
+                state: self.state,
+                input,
+                output,
+                layout: self.layout.raw(),
+                count: count as u32,
+                dtype: dtype.code(),
+                sm_staging: u32::from(!ce),
+                unroll: 1,
+                more: if c.more { abi::ARX_FLAG_MORE } else { 0 },
+                op: abi::ARX_OP_SUM,
+            };
+            let aligned = (input | output) & 15 == 0;
+            let (blocks, unroll) = self.shape(count, dtype, aligned);
+            params.unroll = unroll;
+            let mut root = root as u32;
+            let mut args = [
+                (&mut params as *mut abi::arx_params_t).cast::<c_void>(),
+                (&mut root as *mut u32).cast(),
+            ];
+            // SAFETY: the kernel takes (arx_params_t, u32) by value
+            // (kernels/arx.cu, arx_broadcast_*); the chunk lies within the
+            // caller's buffers (the caller's contract) and holds at most one
+            // slot's worth; the region and state live as long as this side.
+            unsafe {
+                result::launch_kernel(
+                    self.module.broadcast(dtype),
+                    (blocks, 1, 1),
+                    (THREADS, 1, 1),
+                    0,
+                    stream,
+                    &mut args,
+                )
+            }
+            .map_err(cuda_err("cuLaunchKernel"))
+        });
+        // As in `launch`: recorded also after a failed enqueue.
+        let after = self.order.after(stream, cap);
+        r.and(after)
     }
 
     /// Waits for everything queued in the context (bounded: every arx

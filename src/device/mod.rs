@@ -9,8 +9,9 @@
 //!   (`algo::chunked::host`, one `algo::oneshot::host` per chunk) — the
 //!   embedded default, and how CI exercises the proxy and fabrics;
 //! * `Gpu`: the arx CUDA kernels ([`gpu`], one launch per chunk;
-//!   `kernels/oneshot.cuh`, and `kernels/twoshot.cuh` for the two-shot
-//!   all-reduce, reduce_scatter and all_gather).
+//!   `kernels/oneshot.cuh`, `kernels/twoshot.cuh` for the two-shot
+//!   all-reduce, reduce_scatter and all_gather, `kernels/bcast.cuh` for
+//!   broadcast).
 //!
 //! The proxy is reached only through its [`Link`] (post inline, health).
 
@@ -19,7 +20,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::abi;
-use crate::algo::{chunked, collective, oneshot};
+use crate::algo::{broadcast, chunked, collective, oneshot};
 use crate::config::Config;
 use crate::dtype::{Dtype, Element};
 use crate::error::{Error, Result};
@@ -265,6 +266,26 @@ impl Device {
         self.host_done(seq, r)
     }
 
+    /// A host broadcast from `root` of the buffers' elements (see
+    /// `algo::broadcast`).
+    pub(crate) fn host_broadcast<T: Element>(
+        &mut self,
+        root: usize,
+        bufs: collective::Bufs<'_, T>,
+    ) -> Result<()> {
+        self.ready()?;
+        let first = self.next_host_seq().map_err(|e| self.fail(e))?;
+        let per = self.max_count(T::DTYPE);
+        let env = oneshot::Env {
+            region: &self.region,
+            layout: &self.layout,
+            cfg: &self.cfg,
+            link: &self.link,
+        };
+        let (seq, r) = broadcast::broadcast(&env, first, per, root, bufs);
+        self.host_done(seq, r)
+    }
+
     /// Refuses a host call without leaving the peers to time out: it
     /// publishes the call with the "invalid" dtype and no data, so every
     /// peer fails at once with [`Error::CallMismatch`] naming this rank, and
@@ -378,6 +399,33 @@ impl Device {
         };
         // SAFETY: the caller's contract (addresses, stream) is passed on.
         let r = unsafe { g.launch_collective(coll, input, output, n, dtype, per, op, stream) };
+        r.map_err(|e| self.fail(e))
+    }
+
+    /// One GPU broadcast from `root` of `n` elements, enqueued on `stream`
+    /// (one launch per chunk, see [`gpu::GpuSide::launch_broadcast`]).
+    ///
+    /// # Safety
+    /// As [`crate::Arx::broadcast_raw`], with `root` a rank.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn gpu_broadcast(
+        &mut self,
+        input: u64,
+        output: u64,
+        n: usize,
+        dtype: Dtype,
+        root: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        self.ready()?;
+        let per = self.max_count(dtype);
+        let Side::Gpu(g) = &mut self.side else {
+            return Err(Error::InvalidArgument(
+                "this instance runs the host device side: use broadcast_host".into(),
+            ));
+        };
+        // SAFETY: the caller's contract (addresses, stream) is passed on.
+        let r = unsafe { g.launch_broadcast(input, output, n, dtype, per, root, stream) };
         r.map_err(|e| self.fail(e))
     }
 

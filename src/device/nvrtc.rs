@@ -11,11 +11,12 @@ use crate::error::{Error, Result};
 /// The kernel source and the ABI header it includes.
 const SOURCE: &str = include_str!("../../kernels/arx.cu");
 /// The headers arx.cu includes (name, text), handed to NVRTC by name.
-const HEADERS: [(&std::ffi::CStr, &str); 4] = [
+const HEADERS: [(&std::ffi::CStr, &str); 5] = [
     (c"arx_abi.h", include_str!("../../kernels/arx_abi.h")),
     (c"device.cuh", include_str!("../../kernels/device.cuh")),
     (c"oneshot.cuh", include_str!("../../kernels/oneshot.cuh")),
     (c"twoshot.cuh", include_str!("../../kernels/twoshot.cuh")),
+    (c"bcast.cuh", include_str!("../../kernels/bcast.cuh")),
 ];
 /// Compiled CUBINs, one per architecture, for the whole process (NVRTC takes
 /// a few hundred milliseconds per compile).

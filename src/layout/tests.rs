@@ -239,7 +239,7 @@ fn flag_word_round_trips() {
     // The pattern bits sit between MORE and the count: flag_call strips
     // them, flag_pattern reads them, and two patterns never share a word.
     use crate::protocol::{count_field, flag_pattern};
-    for pattern in 0..3 {
+    for pattern in 0..4 {
         for m in [false, true] {
             let f = flag_word(
                 9,
@@ -249,7 +249,7 @@ fn flag_word_round_trips() {
             assert_eq!(flag_call(f), (2, crate::abi::ARX_MAX_CHUNK as usize));
             assert_eq!(flag_pattern(f), pattern);
             assert_eq!(crate::protocol::flag_more(f), m);
-            for other in 0..3 {
+            for other in 0..4 {
                 if other != pattern {
                     assert_ne!(
                         f,
@@ -263,10 +263,55 @@ fn flag_word_round_trips() {
             }
         }
     }
-    // No call's word is the poison word: its count field has pattern 3.
+    // No call's word is the poison word: its element count is above every
+    // chunk's (its pattern bits are a broadcast's).
     let poison = crate::abi::ARX_FLAG_POISON_COUNT;
-    assert_eq!(flag_pattern(u64::from(poison)), 3);
+    assert_eq!(
+        flag_pattern(u64::from(poison)),
+        crate::abi::ARX_PATTERN_BCAST
+    );
     assert!((poison & crate::abi::ARX_FLAG_ELEMS_MASK) > crate::abi::ARX_MAX_CHUNK);
+    assert_eq!(
+        crate::protocol::dest_range(flag_word(9, 0, poison as usize), 4, 1, 2),
+        0..0
+    );
+}
+
+/// A broadcast's words: every rank announces the same count and pattern,
+/// only the root's carries the root bit and data (the whole partial, to
+/// every peer); root and non-root words of one call always differ, and
+/// words of different counts differ.
+#[test]
+fn broadcast_words_carry_the_root_alone() {
+    use crate::protocol::{bcast_flag, dest_range, flag_call, flag_pattern};
+    let f32c = crate::abi::ARX_DTYPE_F32;
+    for count in [0usize, 1, 77, crate::abi::ARX_MAX_CHUNK as usize] {
+        for more in [false, true] {
+            for root in 0..4 {
+                for src in 0..4 {
+                    let w = bcast_flag(5, f32c, count, more, src, root);
+                    assert_eq!(flag_call(w), (f32c, count));
+                    assert_eq!(flag_pattern(w), crate::abi::ARX_PATTERN_BCAST);
+                    assert_eq!(crate::protocol::flag_more(w), more);
+                    for dst in (0..4).filter(|&d| d != src) {
+                        let want = if src == root { 0..count * 4 } else { 0..0 };
+                        assert_eq!(dest_range(w, 4, src, dst), want, "{src} {root} {dst}");
+                    }
+                    // The root's word is no non-root's, whatever the root.
+                    let other = (root + 1) % 4;
+                    assert_eq!(
+                        w == bcast_flag(5, f32c, count, more, src, other),
+                        src != root && src != other
+                    );
+                    let other_count = if count > 0 { count - 1 } else { 1 };
+                    assert_ne!(w, bcast_flag(5, f32c, other_count, more, src, root));
+                    let d = crate::dtype::CallDesc::of_flag(w);
+                    assert_eq!(d.pattern, crate::Pattern::Broadcast { root: src == root });
+                    assert_eq!(d.op, crate::Op::Sum);
+                }
+            }
+        }
+    }
 }
 
 /// The shard rule of `kernels/arx_abi.h`, against a direct reading of it:

@@ -651,3 +651,333 @@ fn large_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     }
     Ok(calls)
 }
+
+/// Rank `rank`'s input of broadcast call `call`: edge values and, at
+/// seeded positions, raw bit patterns (NaN payloads, signalling and
+/// negative NaNs, subnormals) that must arrive bit for bit; never the
+/// poison (all ones). The same generator as tests/mpi's.
+fn bcast_input<T: Element>(call: u64, rank: usize, n: usize) -> Vec<T> {
+    let mut v = verify::input_edges::<T>(SEED, call, rank, n);
+    let size = std::mem::size_of::<T>();
+    let raw: &[u32] = if size == 4 {
+        &[
+            0x7f80_0001,
+            0xffc0_dead,
+            0x7fbf_ffff,
+            0x8000_0001,
+            0x0000_0001,
+        ]
+    } else {
+        &[0x7c01, 0xfc01, 0x7f81, 0xff81, 0x8001, 0x7dea]
+    };
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+    for i in 0..n {
+        let k = (call as usize).wrapping_mul(31).wrapping_add(i * 7) % 11;
+        if k < raw.len() {
+            let w = raw[(k + rank) % raw.len()].to_le_bytes();
+            bytes[i * size..(i + 1) * size].copy_from_slice(&w[..size]);
+        }
+    }
+    v
+}
+
+/// `got` holds exactly `want`'s bits (a NaN's payload included).
+fn same_bits<T: Element>(what: &str, got: &[T], want: &[T]) -> R {
+    let (g, w): (&[u8], &[u8]) = (bytemuck::cast_slice(got), bytemuck::cast_slice(want));
+    if g == w {
+        return Ok(());
+    }
+    let size = std::mem::size_of::<T>();
+    let i = (0..got.len().min(want.len()))
+        .find(|&i| g[i * size..(i + 1) * size] != w[i * size..(i + 1) * size])
+        .unwrap_or(0);
+    Err(format!(
+        "{what}: {} elements, want {}; first difference at {i}: {:02x?} want {:02x?}",
+        got.len(),
+        want.len(),
+        g.get(i * size..(i + 1) * size),
+        w.get(i * size..(i + 1) * size),
+    ))
+}
+
+/// One checked broadcast of `n` elements from `root` (`how`: out of
+/// place, in place, or one element past a 16-byte boundary through
+/// `broadcast_raw`); a non-root's output (its buffer, in place) poisoned.
+#[allow(clippy::too_many_arguments)]
+fn bcast_call<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    call: u64,
+    n: usize,
+    root: usize,
+    how: Placement,
+) -> R {
+    let mine = bcast_input::<T>(call, ctx.rank, n);
+    let want = bcast_input::<T>(call, root, n);
+    let got: Vec<T> = match how {
+        Placement::OutOfPlace => {
+            let din = up(s, &mine)?;
+            let mut dout = poisoned::<T>(s, n)?;
+            arx.broadcast(&din, &mut dout, root, s)
+                .map_err(e("broadcast"))?;
+            arx.check().map_err(e("check"))?;
+            // The input is left as it was.
+            same_bits("broadcast input", &down(s, &din)?, &mine)?;
+            down(s, &dout)?
+        }
+        Placement::InPlace => {
+            let mut buf = if ctx.rank == root {
+                up(s, &mine)?
+            } else {
+                poisoned::<T>(s, n)?
+            };
+            arx.broadcast_in_place(&mut buf, root, s)
+                .map_err(e("broadcast_in_place"))?;
+            arx.check().map_err(e("check"))?;
+            down(s, &buf)?
+        }
+        Placement::Unaligned => {
+            let mut padded = vec![verify::round_to::<T>(1.0)];
+            padded.extend_from_slice(&mine);
+            let din = up(s, &padded)?;
+            let mut dout = poisoned::<T>(s, n + 1)?;
+            {
+                let (pi, _gi) = din.device_ptr(s);
+                let (po, _go) = dout.device_ptr_mut(s);
+                let sz = std::mem::size_of::<T>() as u64;
+                // SAFETY: both allocations hold n+1 elements, so the
+                // addresses one element in are valid for `n`; they live
+                // until after `check` below synchronized the stream.
+                unsafe { arx.broadcast_raw(pi + sz, po + sz, n, T::DTYPE, root, s.cu_stream()) }
+                    .map_err(e("broadcast_raw"))?;
+            }
+            arx.check().map_err(e("check"))?;
+            let v = down(s, &dout)?;
+            if bytemuck::bytes_of(&v[0]).iter().any(|&b| b != 0xff) {
+                return Err(format!(
+                    "broadcast of {n} x {} unaligned: the element before the output was written",
+                    T::DTYPE.name()
+                ));
+            }
+            v[1..].to_vec()
+        }
+    };
+    ctx.fold(&got);
+    same_bits(
+        &format!(
+            "broadcast call {call}: {n} x {} from root {root} ({how:?})",
+            T::DTYPE.name()
+        ),
+        &got,
+        &want,
+    )
+}
+
+fn broadcasts_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+) -> R<usize> {
+    let m = arx.max_count::<T>();
+    let mut calls = 0;
+    for (k, n) in [0, 1, 7, 77, 1000, 2 * m + 3].into_iter().enumerate() {
+        for root in 0..ctx.n {
+            for (j, how) in [
+                Placement::OutOfPlace,
+                Placement::InPlace,
+                Placement::Unaligned,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                // CUDA allocations of 0 elements: the zero-length call
+                // runs through broadcast_raw only.
+                if n == 0 && !matches!(how, Placement::Unaligned) {
+                    continue;
+                }
+                let call = 0x5E00_0000
+                    | (T::DTYPE.code() as u64) << 20
+                    | (k as u64) << 16
+                    | (root as u64) << 4
+                    | j as u64;
+                bcast_call::<T>(ctx, arx, s, call, n, root, how)?;
+                calls += 1;
+            }
+        }
+    }
+    Ok(calls)
+}
+
+/// broadcast from every root on every dtype at 0, 1, 7, 77, 1000 and 2m+3
+/// elements (m: one chunk), out of place, in place and unaligned, bit for
+/// bit (NaN payloads included); then an all-reduce on the same instance.
+pub(super) fn broadcast_eager(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let b = broadcasts_of::<bf16>(ctx, &mut arx, &s)?;
+    let h = broadcasts_of::<f16>(ctx, &mut arx, &s)?;
+    let f = broadcasts_of::<f32>(ctx, &mut arx, &s)?;
+    checked_call::<f32>(ctx, &mut arx, &s, 0x5EF0_0000, 1001, Placement::InPlace)
+        .map_err(|x| format!("an all-reduce after the broadcasts: {x}"))?;
+    ctx.say(format!(
+        "bf16 {b}, f16 {h}, f32 {f} broadcast calls bit-exact"
+    ));
+    Ok(())
+}
+
+/// A chunked broadcast (f32, from the last rank) and an in-place one
+/// (bf16, from rank 0) captured into one graph next to an all-reduce, and
+/// replayed with new input before each replay.
+pub(super) fn broadcast_graph(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let replays = if ctx.quick { 5 } else { 30 };
+    let n1 = 2 * arx.max_count::<f32>() + 3;
+    let (n2, n3) = (501, 300);
+    let r1 = ctx.n - 1;
+    let mut in1 = poisoned::<f32>(&s, n1)?;
+    let mut out1 = poisoned::<f32>(&s, n1)?;
+    let mut buf2 = poisoned::<bf16>(&s, n2)?;
+    let mut in3 = poisoned::<f32>(&s, n3)?;
+    let mut out3 = poisoned::<f32>(&s, n3)?;
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = arx
+        .broadcast(&in1, &mut out1, r1, &s)
+        .and_then(|()| arx.broadcast_in_place(&mut buf2, 0, &s))
+        .and_then(|()| arx.allreduce(&in3, &mut out3, &s));
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(e("broadcasts under capture"))?;
+    let g = g.ok_or("empty graph")?;
+    for i in 0..replays as u64 {
+        let c = 0x5F00_0000 + 4 * i;
+        let x1 = bcast_input::<f32>(c, ctx.rank, n1);
+        let x2 = if ctx.rank == 0 {
+            bcast_input::<bf16>(c + 1, 0, n2)
+        } else {
+            let mut p = vec![bf16::ZERO; n2];
+            verify::poison(&mut p);
+            p
+        };
+        let (x3, w3) = call_data::<f32>(ctx, c + 2, n3);
+        s.memcpy_htod(&x1, &mut in1).map_err(e("htod"))?;
+        s.memcpy_htod(&x2, &mut buf2).map_err(e("htod"))?;
+        s.memcpy_htod(&x3, &mut in3).map_err(e("htod"))?;
+        poison_dev(&s, &mut out1)?;
+        poison_dev(&s, &mut out3)?;
+        g.launch().map_err(e("graph launch"))?;
+        let got1 = down(&s, &out1)?;
+        let got2 = down(&s, &buf2)?;
+        let got3 = down(&s, &out3)?;
+        arx.check().map_err(e("check"))?;
+        ctx.fold(&got1);
+        ctx.fold(&got2);
+        ctx.fold(&got3);
+        same_bits(
+            &format!("replay {i}: broadcast {n1} x f32 from {r1}"),
+            &got1,
+            &bcast_input::<f32>(c, r1, n1),
+        )?;
+        same_bits(
+            &format!("replay {i}: broadcast in place {n2} x bf16 from 0"),
+            &got2,
+            &bcast_input::<bf16>(c + 1, 0, n2),
+        )?;
+        compare(&format!("replay {i}: all-reduce {n3} x f32"), &got3, &w3)?;
+    }
+    bcast_call::<f16>(ctx, &mut arx, &s, 0x5FF0_0000, 33, 0, Placement::OutOfPlace)
+        .map_err(|x| format!("an eager call after the replays: {x}"))?;
+    ctx.say(format!(
+        "{replays} replays of a {}-chunk broadcast, an in-place broadcast and an all-reduce; then an eager call",
+        n1.div_ceil(arx.max_count::<f32>())
+    ));
+    Ok(())
+}
+
+/// Call k from root k mod N runs on the GPU on ranks r with r + k even,
+/// on the host on the others: one protocol, the root's bits everywhere.
+pub(super) fn broadcast_mixed(ctx: &Ctx, st: Staging) -> R {
+    let (mut arx, s) = build_small(ctx, st, Duration::from_secs(20))?;
+    let rounds = if ctx.quick { 4 } else { 12 };
+    for k in 0..rounds as u64 {
+        let gpu = (ctx.rank as u64 + k) % 2 == 0;
+        let root = k as usize % ctx.n;
+        let call = 0x6B00_0000 + k;
+        let n = 300 + 997 * k as usize;
+        let x = bcast_input::<f32>(call, ctx.rank, n);
+        let got = if gpu {
+            let din = up(&s, &x)?;
+            let mut dout = poisoned::<f32>(&s, n)?;
+            arx.broadcast(&din, &mut dout, root, &s)
+                .map_err(e("broadcast"))?;
+            down(&s, &dout)?
+        } else {
+            let mut out = vec![0f32; n];
+            verify::poison(&mut out);
+            arx.broadcast_host(&x, &mut out, root)
+                .map_err(e("broadcast_host"))?;
+            out
+        };
+        arx.check().map_err(e("check"))?;
+        ctx.fold(&got);
+        same_bits(
+            &format!("round {k} broadcast of {n} x f32 from {root} (gpu {gpu})"),
+            &got,
+            &bcast_input::<f32>(call, root, n),
+        )?;
+    }
+    ctx.say(format!(
+        "{rounds} broadcasts, GPU and host calls alternating across ranks, every root"
+    ));
+    Ok(())
+}
+
+/// Ranks that disagree on a GPU broadcast fail at once, every one: on the
+/// root (rank 0 names rank 1, the others rank 0), on the count (the last
+/// rank asks for one element more), and a root that is no rank on rank 0
+/// (`InvalidArgument` there; its peers fail naming it). A fresh instance
+/// each (a failure sticks).
+pub(super) fn broadcast_mismatch(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(4);
+    let me = ctx.rank;
+    let n = 4096;
+    let shapes: [(&str, usize, usize); 3] = [
+        ("root", n, usize::from(me == 0)),
+        ("count", if me == ctx.n - 1 { n + 1 } else { n }, 0),
+        ("root out of range", n, if me == 0 { ctx.n } else { 0 }),
+    ];
+    for (what, len, root) in shapes {
+        let (mut arx, s) = build_opts(ctx, st, timeout, None, None)?;
+        let din = up(&s, &verify::input::<f32>(SEED, 0x7800_0001, me, len))?;
+        let mut dout = poisoned::<f32>(&s, len)?;
+        s.synchronize().map_err(e("sync"))?;
+        let t = Instant::now();
+        let r = arx
+            .broadcast(&din, &mut dout, root, &s)
+            .and_then(|()| arx.check());
+        let took = t.elapsed();
+        let ok = match &r {
+            Err(Error::CallMismatch { peer, .. }) => *peer != me && *peer < ctx.n,
+            Err(Error::InvalidArgument(m)) => {
+                what == "root out of range" && me == 0 && m.contains("root")
+            }
+            _ => false,
+        };
+        if !ok || took >= timeout / 2 {
+            return Err(format!(
+                "broadcast {what} mismatch: not a CallMismatch (or this rank's InvalidArgument) within {:?} (after {took:.2?}): {r:?}",
+                timeout / 2
+            ));
+        }
+        if me == 0 {
+            ctx.say(format!(
+                "{what}: rank 0 failed in {:.1} ms: {}",
+                took.as_secs_f64() * 1e3,
+                r.err().map(|x| x.to_string()).unwrap_or_default()
+            ));
+        }
+    }
+    Ok(())
+}

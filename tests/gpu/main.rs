@@ -59,7 +59,12 @@
 //! and captured into a graph; GPU and host calls of reduce_scatter,
 //! all_gather and all-reduces (one-shot and two-shot under `auto`)
 //! alternating across ranks; ranks on different algorithms failing with
-//! `CallMismatch` at once.
+//! `CallMismatch` at once. broadcast (`collectives.rs`, `kernels/bcast.cuh`)
+//! from every root on every dtype at 0 to 2m+3 elements, out of place, in
+//! place and unaligned, bit for bit (NaN payloads too); captured into a
+//! graph (chunked, in place, beside an all-reduce) and replayed; GPU and
+//! host calls alternating across ranks; ranks disagreeing on the root or
+//! the count, or a root that is no rank, failing at once.
 //!
 //! After each case every rank enters one verdict all-reduce, failing ranks
 //! included (`tests/common/verdict.rs`): a rank whose case fails while the
@@ -371,6 +376,22 @@ fn child() -> ExitCode {
         (
             "large: one answer at 64 MiB and odd lengths past slots, every algorithm, eager and graph",
             large_one_answer,
+        ),
+        (
+            "broadcast: every dtype, length, root, placement, bit for bit",
+            broadcast_eager,
+        ),
+        (
+            "broadcast captured into a graph with an all-reduce",
+            broadcast_graph,
+        ),
+        (
+            "broadcast: GPU and host calls interleaved across ranks",
+            broadcast_mixed,
+        ),
+        (
+            "broadcast: ranks that disagree on the root or count fail at once",
+            broadcast_mismatch,
         ),
     ];
     if std::env::var_os("ARX_TEST_HARNESS_SELFTEST").is_some() {

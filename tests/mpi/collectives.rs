@@ -364,3 +364,243 @@ fn large_of<T: Element>(
     }
     Ok(())
 }
+
+/// Rank `rank`'s input of broadcast call `call`: edge values
+/// (`verify::input_edges`: -0.0, ±Inf, NaN, subnormals) and, at seeded
+/// positions, raw bit patterns a reduction would not keep (NaN payloads,
+/// signalling NaNs, negative NaNs) that a broadcast must move bit for bit.
+/// Never the poison pattern (all ones).
+fn bcast_input<T: Element>(call: u64, rank: usize, n: usize) -> Vec<T> {
+    let mut v = verify::input_edges::<T>(SEED, call, rank, n);
+    let size = std::mem::size_of::<T>();
+    let raw: &[u32] = if size == 4 {
+        &[
+            0x7f80_0001,
+            0xffc0_dead,
+            0x7fbf_ffff,
+            0x8000_0001,
+            0x0000_0001,
+        ]
+    } else {
+        // f16 and bf16 signalling NaNs, negative NaNs and subnormals.
+        &[0x7c01, 0xfc01, 0x7f81, 0xff81, 0x8001, 0x7dea]
+    };
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+    for i in 0..n {
+        // Positions depend on (call, i); values on the rank too.
+        let k = (call as usize).wrapping_mul(31).wrapping_add(i * 7) % 11;
+        if k < raw.len() {
+            let w = raw[(k + rank) % raw.len()].to_le_bytes();
+            bytes[i * size..(i + 1) * size].copy_from_slice(&w[..size]);
+        }
+    }
+    v
+}
+
+fn broadcasts_of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Result<(), String> {
+    let (world, me) = (ctx.n, ctx.rank);
+    let m = arx.max_count::<T>();
+    for n in [0, 1, 77, 1001, 2 * m + 3] {
+        for root in 0..world {
+            for in_place in [false, true] {
+                *call += 1;
+                let what = format!(
+                    "broadcast call {call} ({n} x {:?} from root {root}, in place {in_place})",
+                    T::DTYPE
+                );
+                // Every rank has its own input (the non-roots' must be
+                // ignored) and computes the root's on its own.
+                let mine = bcast_input::<T>(*call, me, n);
+                let want = bcast_input::<T>(*call, root, n);
+                let mut out = vec![T::from_f32(0.0); n];
+                verify::poison(&mut out);
+                if in_place {
+                    // A non-root's buffer stays poisoned: every element
+                    // must be written.
+                    if me == root {
+                        out.copy_from_slice(&mine);
+                    }
+                    arx.broadcast_host_in_place(&mut out, root)
+                } else {
+                    arx.broadcast_host(&mine, &mut out, root)
+                }
+                .map_err(|e| format!("{what}: {e}"))?;
+                if bits(&out) != bits(&want) {
+                    let i = (0..n)
+                        .find(|&i| bits(&out[i..=i]) != bits(&want[i..=i]))
+                        .unwrap_or(0);
+                    return Err(format!(
+                        "{what}: element {i} is {:?} ({:02x?}), want {:?} ({:02x?})",
+                        verify::value_of(&out[i]),
+                        bits(&out[i..=i]),
+                        verify::value_of(&want[i]),
+                        bits(&want[i..=i]),
+                    ));
+                }
+                // The input is left as it was.
+                if bits(&mine) != bits(&bcast_input::<T>(*call, me, n)) {
+                    return Err(format!("{what}: the input changed"));
+                }
+                same_everywhere(ctx, verify::digest(&out))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// broadcast from every root, every dtype, lengths 0 to longer than one
+/// slot (chunked), in place and not: the root's bits on every rank (NaN
+/// payloads included); then the instance still all-reduces right.
+pub(super) fn broadcast_bit_for_bit(ctx: &Ctx) -> Result<(), String> {
+    let mut arx = builder()
+        .slot_bytes(4096)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let mut call = 14000;
+    broadcasts_of::<bf16>(ctx, &mut arx, &mut call)?;
+    broadcasts_of::<f16>(ctx, &mut arx, &mut call)?;
+    broadcasts_of::<f32>(ctx, &mut arx, &mut call)?;
+    checked::<f32>(ctx, &mut arx, 14999, 300, false)?;
+    // Broadcast and all-reduce calls interleaved on one instance.
+    let mine = bcast_input::<f32>(14998, ctx.rank, 500);
+    let mut out = vec![0f32; 500];
+    verify::poison(&mut out);
+    arx.broadcast_host(&mine, &mut out, ctx.n - 1)
+        .map_err(|e| e.to_string())?;
+    if bits(&out) != bits(&bcast_input::<f32>(14998, ctx.n - 1, 500)) {
+        return Err("broadcast after an all-reduce: wrong bits".into());
+    }
+    checked::<bf16>(ctx, &mut arx, 14997, 1000, true)
+}
+
+/// Ranks that disagree on a broadcast fail at once, every one of them,
+/// naming a peer: on the root (rank 0 names rank 1, the others rank 0), on
+/// the count (the last rank asks for one element more: the root sees it
+/// too), on the collective (rank 0 broadcasts, the others all-gather), and
+/// a root that is no rank (rank 0: `InvalidArgument`; its peers fail
+/// naming it). At 3+ ranks, the one case where some ranks pass (one rank
+/// names itself, others another rank): the passing ranks get the right
+/// data, the others fail at once. A fresh instance for each (a failure
+/// sticks).
+pub(super) fn broadcast_mismatch(ctx: &Ctx) -> Result<(), String> {
+    let (world, me) = (ctx.n, ctx.rank);
+    let n = 100;
+    let bcast = |arx: &mut Arx, n: usize, root: usize| {
+        let mine = verify::input::<f32>(SEED, 7, me, n);
+        let mut out = vec![0f32; n];
+        verify::poison(&mut out);
+        let r = arx.broadcast_host(&mine, &mut out, root);
+        if r.is_ok() {
+            // Never Ok with a wrong result (the test then reports the Ok).
+            assert_eq!(bits(&out), bits(&verify::input::<f32>(SEED, 7, root, n)));
+        }
+        r
+    };
+    let mismatch = |e: &Error| match e {
+        // `ours` is this rank's own word, not what it expected of the
+        // peer: a non-root's and a peer's non-root word may be equal.
+        Error::CallMismatch {
+            peer, ours, theirs, ..
+        } => {
+            *peer != me
+                && *peer < world
+                && matches!(ours.pattern, Pattern::Broadcast { .. })
+                && matches!(theirs.pattern, Pattern::Broadcast { .. })
+        }
+        _ => false,
+    };
+    let mut took = Vec::new();
+
+    // The root: rank 0 names rank 1, every other rank names rank 0.
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let timeout = arx.config().timeout;
+    let t = Instant::now();
+    let root = usize::from(me == 0);
+    expect_err("broadcast root mismatch", bcast(&mut arx, n, root), |e| {
+        mismatch(e) && e.to_string().contains("broadcast")
+    })?;
+    took.push(t.elapsed());
+
+    // Every rank names itself.
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    expect_err(
+        "broadcast, every rank its own root",
+        bcast(&mut arx, n, me),
+        mismatch,
+    )?;
+    took.push(t.elapsed());
+
+    // The count: the last rank asks for one more element (root 0).
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let len = if me == world - 1 { n + 1 } else { n };
+    expect_err(
+        "broadcast count mismatch",
+        bcast(&mut arx, len, 0),
+        mismatch,
+    )?;
+    took.push(t.elapsed());
+
+    // The collective: rank 0 broadcasts, the others all-gather.
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let r = if me == 0 {
+        bcast(&mut arx, world * n, 0)
+    } else {
+        let mine = verify::input::<f32>(SEED, 8, me, n);
+        let mut out = vec![0f32; world * n];
+        arx.all_gather_host(&mine, &mut out)
+    };
+    expect_err("broadcast against all_gather", r, |e| {
+        matches!(e, Error::CallMismatch { peer, ours, theirs, .. }
+            if *peer != me && ours.pattern != theirs.pattern)
+    })?;
+    took.push(t.elapsed());
+
+    // A root that is no rank, on rank 0 only.
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let root = if me == 0 { world } else { 0 };
+    expect_err(
+        "broadcast root out of range",
+        bcast(&mut arx, n, root),
+        |e| match e {
+            Error::InvalidArgument(m) => me == 0 && m.contains("root"),
+            Error::CallMismatch { peer: 0, .. } => me != 0,
+            _ => false,
+        },
+    )?;
+    // In place too (a fresh instance: the refusal sticks).
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    let mut buf = vec![1f32; n];
+    let r = arx.broadcast_host_in_place(&mut buf, if me == 0 { usize::MAX } else { 0 });
+    expect_err("in-place broadcast root out of range", r, |e| match e {
+        Error::InvalidArgument(m) => me == 0 && m.contains("root"),
+        Error::CallMismatch { peer: 0, .. } => me != 0,
+        _ => false,
+    })?;
+    took.push(t.elapsed());
+
+    // The one disagreement on the root that lets some ranks pass (3+
+    // ranks): rank 0 names itself, rank 1 names rank 0, the others rank
+    // 1. Ranks 0 and 1 get rank 0's data (checked in `bcast`); the others
+    // fail at once naming a peer. Nothing waits for the timeout.
+    if world >= 3 {
+        let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+        let t = Instant::now();
+        let root = usize::from(me >= 2);
+        let r = bcast(&mut arx, n, root);
+        if me < 2 {
+            r.map_err(|e| format!("a lone root and a rank that named it: {e}"))?;
+        } else {
+            expect_err("a lone root, this rank named another", r, mismatch)?;
+        }
+        took.push(t.elapsed());
+    }
+
+    if let Some(d) = took.iter().find(|d| **d > timeout / 2) {
+        return Err(format!("a broadcast mismatch took {d:?} (times: {took:?})"));
+    }
+    Ok(())
+}

@@ -276,6 +276,14 @@ fn child() -> ExitCode {
         ("one rank runs another algorithm", algo_mismatch),
         ("one rank calls another collective", collective_mismatch),
         (
+            "broadcast: every dtype, length and root, bit for bit",
+            broadcast_bit_for_bit,
+        ),
+        (
+            "broadcast: ranks disagree on the root, count or collective",
+            broadcast_mismatch,
+        ),
+        (
             "a refusal is seen while another rank is silent (3+ ranks)",
             refusal_past_silence,
         ),
