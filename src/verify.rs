@@ -192,18 +192,63 @@ pub fn input_edges<T: Element>(seed: u64, call: u64, rank: usize, count: usize) 
 
 /// The arx rule computed independently: rank-order f32 sum starting from
 /// rank 0's value, one rounding to `T`.
+/// Long calls (64 MiB and more in `allreduce_perf --check`) are computed
+/// on the machine's cores, in slices of elements, each element exactly as
+/// alone.
 pub fn reference<T: Element>(inputs: &[Vec<T>]) -> Vec<T> {
     let count = inputs.first().map_or(0, |v| v.len());
     let f = format(T::DTYPE);
-    (0..count)
-        .map(|i| {
-            let mut acc = f.decode(bits_of(&inputs[0][i])) as f32;
-            for x in &inputs[1..] {
-                acc += f.decode(bits_of(&x[i])) as f32;
+    let one = |i: usize| -> T {
+        let mut acc = f.decode(bits_of(&inputs[0][i])) as f32;
+        for x in &inputs[1..] {
+            acc += f.decode(bits_of(&x[i])) as f32;
+        }
+        from_bits(f.encode(f64::from(acc)))
+    };
+    let threads = if count < PARALLEL_FROM {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    in_slices(count, threads, &one)
+}
+
+/// Elements from which [`reference`] uses every core.
+const PARALLEL_FROM: usize = 1 << 20;
+
+/// `(0..count).map(one).collect()`, in `threads` slices computed on threads
+/// of their own (a slice whose thread cannot start, or fails, is computed
+/// on this one).
+fn in_slices<T: Send, F: Fn(usize) -> T + Sync>(count: usize, threads: usize, one: &F) -> Vec<T> {
+    let threads = threads.clamp(1, 64);
+    if threads == 1 {
+        return (0..count).map(one).collect();
+    }
+    let per = count.div_ceil(threads).max(1);
+    let slices: Vec<std::ops::Range<usize>> = (0..count)
+        .step_by(per)
+        .map(|a| a..count.min(a + per))
+        .collect();
+    std::thread::scope(|s| {
+        let running: Vec<_> = slices
+            .iter()
+            .map(|r| {
+                let r2 = r.clone();
+                let h = std::thread::Builder::new()
+                    .spawn_scoped(s, move || r2.map(one).collect::<Vec<T>>())
+                    .ok();
+                (r.clone(), h)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(count);
+        for (r, h) in running {
+            match h.map(|h| h.join()) {
+                Some(Ok(v)) => out.extend(v),
+                _ => out.extend(r.map(one)),
             }
-            from_bits(f.encode(f64::from(acc)))
-        })
-        .collect()
+        }
+        out
+    })
 }
 
 /// The reduction `op` computed independently of the library (see the
@@ -262,15 +307,13 @@ pub fn expected_op<T: Element>(
     world: usize,
     count: usize,
 ) -> Vec<T> {
-    let inputs: Vec<Vec<T>> = (0..world)
-        .map(|r| {
-            if edges {
-                input_edges(seed, call, r, count)
-            } else {
-                input(seed, call, r, count)
-            }
-        })
-        .collect();
+    let inputs = all_inputs(world, count, |r| {
+        if edges {
+            input_edges(seed, call, r, count)
+        } else {
+            input(seed, call, r, count)
+        }
+    });
     reference_op(op, &inputs)
 }
 
@@ -289,15 +332,24 @@ pub fn count_wrong_op<T: Element>(op: crate::Op, got: &[T], want: &[T]) -> usize
 
 /// The expected result of call `call` over `world` ranks ([`input`]).
 pub fn expected<T: Element>(seed: u64, call: u64, world: usize, count: usize) -> Vec<T> {
-    let inputs: Vec<Vec<T>> = (0..world).map(|r| input(seed, call, r, count)).collect();
+    let inputs = all_inputs(world, count, |r| input(seed, call, r, count));
     reference(&inputs)
+}
+
+/// Every rank's input (`make(rank)`), one rank per thread for long calls
+/// (each rank's stream is its own, so the inputs are those made one by one).
+fn all_inputs<T: Element, F: Fn(usize) -> Vec<T> + Sync>(
+    world: usize,
+    count: usize,
+    make: F,
+) -> Vec<Vec<T>> {
+    let threads = if count < PARALLEL_FROM { 1 } else { world };
+    in_slices(world, threads, &make)
 }
 
 /// The expected result of call `call` over `world` ranks ([`input_edges`]).
 pub fn expected_edges<T: Element>(seed: u64, call: u64, world: usize, count: usize) -> Vec<T> {
-    let inputs: Vec<Vec<T>> = (0..world)
-        .map(|r| input_edges(seed, call, r, count))
-        .collect();
+    let inputs = all_inputs(world, count, |r| input_edges(seed, call, r, count));
     reference(&inputs)
 }
 
@@ -341,6 +393,29 @@ pub fn digest<T: Element>(buf: &[T]) -> u64 {
 mod tests {
     use super::*;
     use half::bf16;
+
+    #[test]
+    fn slices_give_every_element_once_in_order() {
+        for count in [0usize, 1, 2, 7, 64, 1000, 1001] {
+            let want: Vec<usize> = (0..count).map(|i| i * 3 + 1).collect();
+            for threads in [1usize, 2, 3, 8, 64, 100] {
+                let got = in_slices(count, threads, &|i| i * 3 + 1);
+                assert_eq!(got, want, "count {count}, {threads} threads");
+            }
+        }
+        // Past the threshold the reference runs in slices; its bits equal
+        // the element-by-element rule.
+        let n = PARALLEL_FROM + 12_345;
+        let inputs: Vec<Vec<bf16>> = (0..3).map(|r| input(7, 9, r, n)).collect();
+        let got = reference(&inputs);
+        let f = format(Dtype::Bf16);
+        assert_eq!(got.len(), n);
+        for i in (0..n).step_by(997).chain([n - 1]) {
+            let v = |r: usize| f.decode(bits_of(&inputs[r][i])) as f32;
+            let acc = (v(0) + v(1)) + v(2);
+            assert_eq!(bits_of(&got[i]), f.encode(f64::from(acc)), "element {i}");
+        }
+    }
 
     #[test]
     fn inputs_differ_by_rank_and_call_and_repeat() {
