@@ -100,10 +100,14 @@ pub(crate) fn host<T: Element>(
     // every peer before that peer could end seq-2 and send the seq-1 flag
     // this rank needed to end seq-1. `src` is the caller's memory; the
     // chunking (`algo::chunked`) bounds its length by the slot.
-    unsafe { protocol::stage_and_publish(&mem, seq, flag, src) };
+    unsafe { mem.write_send(p, protocol::data_base(flag, layout.slot_bytes()), src) };
+    // Marked just before the publish, not after: once `seq` is stored the
+    // proxy thread may pick the call up (and mark its pickup) before this
+    // thread runs again, and the stages would overlap.
     if let Some(t) = trace {
         t.mark(Mark::Published, seq);
     }
+    protocol::publish(&mem, seq, flag, src.len());
     // Post it from this thread rather than waking the proxy (same order:
     // posting is serialised by the engine lock).
     link.pump(true);
