@@ -54,7 +54,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 7u
+#define ARX_ABI_VERSION 8u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -256,8 +256,24 @@ typedef struct arx_gpu_state {
      * two-shot's gather step), gather chunks handed out. */
     uint32_t reduced;
     uint32_t gather_next;
-    uint64_t reserved;
+    /* Pipelined one-shot chunks (kernels/oneshot.cuh, arx_params_t.next_*):
+     * staging chunks of the next chunk handed out / finished, and the gate
+     * of its publish (ARX_GATE_* bits: the block whose bit completes the
+     * set publishes it, exactly once). */
+    uint32_t next_stage_next;
+    uint32_t next_staged;
+    uint32_t gate;
+    uint32_t reserved;
 } arx_gpu_state_t;
+
+/* The three conditions of a pipelined chunk's early publish: the next
+ * chunk is staged, this launch's own chunk is published (set from the
+ * start when the previous launch published it), every peer's flags of
+ * this chunk are in. */
+#define ARX_GATE_STAGED 1u
+#define ARX_GATE_OWN 2u
+#define ARX_GATE_FLAGS 4u
+#define ARX_GATE_ALL 7u
 
 /* Kernel parameters, passed by value to every arx kernel. */
 typedef struct arx_params {
@@ -284,6 +300,21 @@ typedef struct arx_params {
     uint32_t more;
     /* ARX_OP_* of the call. */
     uint32_t op;
+    /* Pipelined one-shot chunks (SM staging only; arx_abi.h "A call longer
+     * than one slot"): `prestaged` 1: the previous launch already staged
+     * and published this chunk. `next_count` > 0: this launch stages the
+     * next chunk of the call (`next_count` elements at `next_input`, count
+     * -field bits `next_more`) into its place, and publishes it once every
+     * peer's flags of this chunk are in, before summing this one. Zero in
+     * every other launch. */
+    uint32_t prestaged;
+    uint32_t next_count;
+    uint32_t next_more;
+    /* Test hook (Builder::test_sum_delay; 0 otherwise): in a one-shot
+     * launch each block pauses this long after its wait, before it sums, so
+     * that a test can make one rank the slow one. */
+    uint32_t sum_delay_ns;
+    uint64_t next_input;
 } arx_params_t;
 
 #ifndef __CUDACC_RTC__
@@ -294,8 +325,8 @@ typedef struct arx_params {
 #endif
 ARX_STATIC_ASSERT(sizeof(arx_ctrl_t) == 256, "arx_ctrl_t is 256 bytes");
 ARX_STATIC_ASSERT(sizeof(arx_layout_t) == 56, "arx_layout_t is 56 bytes");
-ARX_STATIC_ASSERT(sizeof(arx_gpu_state_t) == 64, "arx_gpu_state_t is 64 bytes");
-ARX_STATIC_ASSERT(sizeof(arx_params_t) == 112, "arx_params_t is 112 bytes");
+ARX_STATIC_ASSERT(sizeof(arx_gpu_state_t) == 72, "arx_gpu_state_t is 72 bytes");
+ARX_STATIC_ASSERT(sizeof(arx_params_t) == 136, "arx_params_t is 136 bytes");
 #endif
 
 #endif /* ARX_H */

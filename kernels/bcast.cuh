@@ -141,43 +141,16 @@ __device__ void bcast_run(const arx_params_t &p, u32 root) {
     }
 
     /* ---- leave: the last block out closes the call ---- */
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        s_ticket = atom_add_acq_rel_gpu(&st->depart, 1u);
-    }
-    __syncthreads();
-    if (s_ticket != gridDim.x - 1) return;
-
+    if (!depart_last(st, &s_ticket)) return;
     /* Copy-engine staging: as one-shot, a call that published ends only
-     * once the proxy has finished reading its slot (the next call's copies
-     * overwrite both send slots). */
-    if (tid == 0 && !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage) {
-        const u64 t0 = globaltimer();
-        for (;;) {
-            if (ld_acquire_sys_u64(&ctrl->sent) >= seq) break;
-            if (globaltimer() - t0 > st->timeout_ns) {
-                arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, seq, 0);
-                break;
-            }
-        }
-    }
-    __syncthreads();
-    const u32 status = ld_relaxed_gpu_u32(&st->status);
+     * once the proxy has finished reading its slot. */
+    const u32 status =
+        await_sent(ctrl, st, !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage, seq, me);
     if (status != 0) {
         /* NaN over the output (see one-shot). */
         for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
     }
-    __syncthreads();
-    if (tid == 0) {
-        st->stage_next = 0;
-        st->staged = 0;
-        st->sum_next = 0;
-        st->depart = 0;
-        st->seq = seq;
-        __threadfence();
-        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
-    }
+    close_launch(ctrl, st, seq, status);
 }
 
 #endif /* ARX_BCAST_CUH */

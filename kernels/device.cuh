@@ -73,6 +73,11 @@ __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32 *p, u32 cmp, u32 v) {
                  : "memory");
     return old;
 }
+__device__ __forceinline__ u32 atom_or_acq_rel_gpu(u32 *p, u32 v) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.or.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
 __device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
 __device__ __forceinline__ u64 globaltimer() {
     u64 t;
@@ -281,6 +286,82 @@ __device__ __forceinline__ u64 make_flag(u64 seq, u32 op, u32 dtype, u32 count, 
            ((u64)(op & ARX_FLAG_OP_MASK) << ARX_FLAG_OP_SHIFT) |
            ((u64)(dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
            ((u64)(count | fields) & ARX_FLAG_COUNT_MASK);
+}
+
+/* Publishes call `seq` for the proxy: its flag word and byte count in the
+ * control block's slots of its parity, then ctrl.seq (st.release.sys: the
+ * caller has made the partial visible system-wide before). */
+__device__ __forceinline__ void publish_call(arx_ctrl_t *ctrl, u64 seq, u64 flag, u64 bytes) {
+    const u32 par = (u32)(seq & 1);
+    st_relaxed_sys_u64(&ctrl->meta[par], flag);
+    st_relaxed_sys_u64(&ctrl->bytes[par], bytes);
+    st_release_sys_u64(&ctrl->seq, seq);
+}
+
+/* ---- leave: the epilogue every kernel shares ----
+ *
+ *   if (!depart_last(st, &s_ticket)) return;   every block; the last one on
+ *   u32 status = await_sent(...);             copy-engine staging only
+ *   if (status != 0) ...NaN over the output... (the kernel's own shape)
+ *   close_launch(ctrl, st, last_seq, status);
+ */
+
+/* Every block departs; true (uniform) in the last block out only. */
+__device__ __forceinline__ bool depart_last(arx_gpu_state_t *st, u32 *s_slot) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        *s_slot = atom_add_acq_rel_gpu(&st->depart, 1u);
+    }
+    __syncthreads();
+    return *s_slot == gridDim.x - 1;
+}
+
+/* Copy-engine staging (`wait`: the launch published up to call `upto`): the
+ * host copies the next call's partial into both send slots, so the launch
+ * may end only once the proxy has finished reading what it published --
+ * also when the call failed (a timeout, a mismatch, an abort): a peer may
+ * still complete the call with the data in flight, and the next call's
+ * copies, queued behind this kernel, would overwrite it. The proxy
+ * advances ctrl.sent past every published seq once its sends completed
+ * (or, after a fabric failure, once nothing it posted is outstanding).
+ * Bounded like every wait. Returns the grid's status (uniform). */
+__device__ u32 await_sent(arx_ctrl_t *ctrl, arx_gpu_state_t *st, bool wait, u64 upto, u32 me) {
+    if (threadIdx.x == 0 && wait) {
+        const u64 t0 = globaltimer();
+        for (;;) {
+            if (ld_acquire_sys_u64(&ctrl->sent) >= upto) break;
+            if (globaltimer() - t0 > st->timeout_ns) {
+                arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, upto, 0);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    return ld_relaxed_gpu_u32(&st->status);
+}
+
+/* The last block out closes the launch: resets every ticket, advances
+ * state.seq to `last` (the launch's last call) and, if the launch
+ * succeeded, stores ctrl.done. After the kernel's NaN poison. */
+__device__ __forceinline__ void close_launch(arx_ctrl_t *ctrl, arx_gpu_state_t *st, u64 last,
+                                             u32 status) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        st->stage_next = 0;
+        st->staged = 0;
+        st->sum_next = 0;
+        st->reduced = 0;
+        st->gather_next = 0;
+        st->next_stage_next = 0;
+        st->next_staged = 0;
+        st->gate = 0;
+        st->depart = 0;
+        st->seq = last;
+        __threadfence();
+        /* Informational (watchdog, logs): no ordering needed. */
+        if (status == 0) st_relaxed_sys_u64(&ctrl->done, last);
+    }
 }
 
 #endif /* ARX_DEVICE_CUH */

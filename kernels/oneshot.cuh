@@ -298,6 +298,68 @@ __device__ __forceinline__ void reduce_span(u32 op, u32 world, u32 me, const typ
     }
 }
 
+/* Copies staging chunk c of a `count`-element partial from `in` to `send`:
+ * thread tid owns units c*per_chunk + k*bd + tid, k < unroll (a unit is a
+ * 16-byte vector when `vec`, else one element). */
+template <class S>
+__device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32 c, u32 per_chunk,
+                                            u32 unroll, bool vec) {
+    const u32 VE = 16 / sizeof(S);
+    const u32 unit = vec ? VE : 1u;
+    const u32 nunits = (count + unit - 1) / unit;
+    for (u32 k = 0; k < unroll; k++) {
+        u32 u = c * per_chunk + k * blockDim.x + threadIdx.x;
+        if (u >= nunits) break;
+        u32 e0 = u * unit;
+        if (vec && e0 + VE <= count) {
+            vec4 v = *(const vec4 *)(in + e0);
+            *(vec4 *)(send + e0) = v;
+        } else {
+            u32 e1 = e0 + unit < count ? e0 + unit : count;
+            for (u32 e = e0; e < e1; e++) send[e] = in[e];
+        }
+    }
+}
+
+/* Takes staging tickets of `next` until all `n` are handed out, copying
+ * each chunk (`copy` false: the chunks are only counted, the host staged
+ * the data), then makes the block's stores visible system-wide and adds
+ * its count to `done`. Returns true in the one block whose count completes
+ * `done` (uniform across the block): every chunk is staged then, each
+ * thread having fenced its stores at system scope before its block counted
+ * them, and the acq_rel chain on `done` orders those before whatever that
+ * block stores next. */
+template <class S>
+__device__ bool stage_all(u32 *next, u32 *done, u32 n, const S *in, S *send, u32 count,
+                          u32 per_chunk, u32 unroll, bool vec, bool copy, u32 *s_ticket) {
+    u32 mine = 0;
+    for (;;) {
+        u32 c = block_ticket(next, s_ticket);
+        if (c >= n) break;
+        mine++;
+        if (copy) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec);
+    }
+    if (mine == 0) return false;
+    fence_sc_sys();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 before = atom_add_acq_rel_gpu(done, mine);
+        *s_ticket = before + mine == n;
+    }
+    __syncthreads();
+    return *s_ticket != 0;
+}
+
+/* One of a pipelined chunk's gate conditions (ARX_GATE_*) is met: the
+ * block whose bit completes the set publishes the next call (exactly one
+ * block: the transition to ARX_GATE_ALL happens once). Thread 0 only. */
+__device__ __forceinline__ void gate_arrive(arx_ctrl_t *ctrl, arx_gpu_state_t *st, u32 bit,
+                                            u64 next_seq, u64 next_flag, u64 next_bytes) {
+    u32 old = atom_or_acq_rel_gpu(&st->gate, bit);
+    if (old != ARX_GATE_ALL && (old | bit) == ARX_GATE_ALL)
+        publish_call(ctrl, next_seq, next_flag, next_bytes);
+}
+
 template <class T>
 __device__ void oneshot_run(const arx_params_t &p) {
     typedef typename T::S S;
@@ -311,7 +373,8 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u32 me = p.layout.rank;
     const u64 slot = p.layout.slot_bytes;
     /* A refused call (dtype INVALID) announces its count but moves no data. */
-    const u32 count = p.dtype == ARX_DTYPE_INVALID ? 0u : p.count;
+    const bool valid = p.dtype != ARX_DTYPE_INVALID;
+    const u32 count = valid ? p.count : 0u;
 
     __shared__ u32 s_ticket;
     __shared__ u32 s_poll;
@@ -322,11 +385,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u64 seq = st->seq + 1;
     const u32 par = (u32)(seq & 1);
     const u32 op = p.op & ARX_FLAG_OP_MASK;
-    const u64 flag = ((seq & 0xFFFFFFFFull) << ARX_FLAG_SEQ_SHIFT) |
-                     ((u64)op << ARX_FLAG_OP_SHIFT) |
-                     ((u64)(p.dtype & ARX_FLAG_DTYPE_MASK) << ARX_FLAG_DTYPE_SHIFT) |
-                     ((u64)(p.count | (p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH))) &
-                      ARX_FLAG_COUNT_MASK);
+    const u64 flag = make_flag(seq, op, p.dtype, p.count, p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
     /* Where this chunk's data sits in its slots (arx_abi.h: ARX_FLAG_HIGH). */
     const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
 
@@ -339,55 +398,48 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
     const u32 per_chunk = bd * unroll; /* units per chunk */
     const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
+    /* Pipelined chunks (SM staging only, arx_abi.h "A call longer than one
+     * slot"): `pre`, the previous launch staged and published this chunk;
+     * `ahead`, once every peer's flags of this chunk are in, this launch
+     * stages the next chunk into its place (the next call's parity, its
+     * half) and publishes it (the gate: staged, this chunk published,
+     * flags in), then sums: the next chunk's sends overlap this chunk's
+     * sum. */
+    const bool pipe = valid && p.sm_staging;
+    const bool pre = pipe && p.prestaged != 0;
+    const bool ahead = pipe && p.next_count != 0;
     /* At least one of each so that a zero-length call still publishes and
-     * waits (its flags keep the ranks in step). */
-    const u32 nstage = p.sm_staging ? (nchunks > 0 ? nchunks : 1u) : 1u;
+     * waits (its flags keep the ranks in step); none when prestaged. */
+    const u32 nstage = pre ? 0u : p.sm_staging ? (nchunks > 0 ? nchunks : 1u) : 1u;
     const u32 nsum = nchunks > 0 ? nchunks : 1u;
+
+    /* The next chunk, when `ahead`. */
+    const u32 ncount = ahead ? p.next_count : 0u;
+    const S *nin = (const S *)p.next_input;
+    S *nsend = (S *)(region + p.layout.send_off + (par ^ 1u) * slot +
+                     ((p.next_more & ARX_FLAG_HIGH) ? slot / 2 : 0));
+    const bool nvec = (p.next_input & 15ull) == 0;
+    const u32 nunit = nvec ? VE : 1u;
+    const u32 nchunks_next = ((ncount + nunit - 1) / nunit + per_chunk - 1) / per_chunk;
+    const u64 nflag =
+        make_flag(seq + 1, op, p.dtype, ncount, p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
+    const u64 nbytes = (u64)ncount * sizeof(S);
 
     bool failed = block_status(st, &s_ticket) != 0;
 
-    /* ---- stage and publish ---- */
-    if (!failed) {
-        u32 mine = 0;
-        for (;;) {
-            u32 c = block_ticket(&st->stage_next, &s_ticket);
-            if (c >= nstage) break;
-            mine++;
-            if (p.sm_staging && nchunks > 0) {
-                for (u32 k = 0; k < unroll; k++) {
-                    u32 u = c * per_chunk + k * bd + tid;
-                    if (u >= nunits) break;
-                    u32 e0 = u * unit;
-                    if (vec && e0 + VE <= count) {
-                        vec4 v = *(const vec4 *)(in + e0);
-                        *(vec4 *)(send + e0) = v;
-                    } else {
-                        u32 e1 = e0 + unit < count ? e0 + unit : count;
-                        for (u32 e = e0; e < e1; e++) send[e] = in[e];
-                    }
-                }
-            }
-        }
-        if (mine > 0) {
-            /* Each thread's stores to the mapped slot are made visible
-             * system-wide before the block reports its chunks done. */
-            fence_sc_sys();
-            __syncthreads();
-            if (tid == 0) {
-                u32 before = atom_add_acq_rel_gpu(&st->staged, mine);
-                if (before + mine == nstage) {
-                    /* Every chunk is staged: each thread fenced its stores
-                     * at system scope before its block counted them, and the
-                     * acq_rel chain orders those before this release. */
-                    st_relaxed_sys_u64(&ctrl->meta[par], flag);
-                    st_relaxed_sys_u64(&ctrl->bytes[par], (u64)count * sizeof(S));
-                    st_release_sys_u64(&ctrl->seq, seq);
-                }
-            }
+    /* ---- stage and publish this chunk (unless prestaged) ---- */
+    if (!failed && nstage > 0) {
+        if (stage_all<S>(&st->stage_next, &st->staged, nstage, in, send, count, per_chunk, unroll,
+                         vec, p.sm_staging && nchunks > 0, &s_ticket) &&
+            tid == 0) {
+            publish_call(ctrl, seq, flag, (u64)count * sizeof(S));
+            if (ahead) gate_arrive(ctrl, st, ARX_GATE_OWN, seq + 1, nflag, nbytes);
         }
     }
+    if (!failed && ahead && pre && tid == 0)
+        gate_arrive(ctrl, st, ARX_GATE_OWN, seq + 1, nflag, nbytes);
 
-    /* ---- wait for every peer, then sum ---- */
+    /* ---- wait for every peer, stage the next chunk (pipelined), sum ---- */
     const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
     bool ready = false;
     while (!failed) {
@@ -397,6 +449,27 @@ __device__ void oneshot_run(const arx_params_t &p) {
             failed = wait_peers(p, ctrl, st, seq, flag, &st->staged, nstage, &s_poll, &s_status);
             if (failed) break;
             ready = true;
+            if (ahead) {
+                /* Only now: the next chunk's place may be the one of the
+                 * call before this one (the call before a call's first
+                 * chunk, whole slots), which this rank's proxy may still be
+                 * sending; every peer's flag of this call says the peer
+                 * has had that call's partial from this rank. */
+                if (tid == 0) gate_arrive(ctrl, st, ARX_GATE_FLAGS, seq + 1, nflag, nbytes);
+                if (stage_all<S>(&st->next_stage_next, &st->next_staged, nchunks_next, nin, nsend,
+                                 ncount, per_chunk, unroll, nvec, true, &s_ticket) &&
+                    tid == 0)
+                    gate_arrive(ctrl, st, ARX_GATE_STAGED, seq + 1, nflag, nbytes);
+            }
+            if (p.sum_delay_ns != 0) {
+                /* Test hook (arx_params_t.sum_delay_ns). */
+                if (tid == 0) {
+                    const u64 t0 = globaltimer();
+                    while (globaltimer() - t0 < p.sum_delay_ns) {
+                    }
+                }
+                __syncthreads();
+            }
         }
 
         /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
@@ -411,52 +484,17 @@ __device__ void oneshot_run(const arx_params_t &p) {
     }
 
     /* ---- leave: the last block out closes the call ---- */
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        s_ticket = atom_add_acq_rel_gpu(&st->depart, 1u);
-    }
-    __syncthreads();
-    if (s_ticket != gridDim.x - 1) return;
-
-    /* Copy-engine staging: the host copies the next call's partial into
-     * both send slots, so a call that published may end only once the proxy
-     * has finished reading this call's slot -- also when the call failed
-     * (a timeout here, a mismatch, an abort): a peer may still complete this
-     * call with the data in flight, and the next call's copies, already
-     * queued behind this kernel, would overwrite it. The proxy advances
-     * ctrl.sent past every published seq once its sends completed (or, after
-     * a fabric failure, once nothing it posted is outstanding). Bounded like
-     * every wait. A call that did not publish (failed before staging) leaves
-     * nothing in flight. */
-    if (tid == 0 && !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage) {
-        const u64 t0 = globaltimer();
-        for (;;) {
-            if (ld_acquire_sys_u64(&ctrl->sent) >= seq) break;
-            if (globaltimer() - t0 > st->timeout_ns) {
-                arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, seq, 0);
-                break;
-            }
-        }
-    }
-    __syncthreads();
-    const u32 status = ld_relaxed_gpu_u32(&st->status);
+    if (!depart_last(st, &s_ticket)) return;
+    /* A call that did not publish (failed before staging) leaves nothing in
+     * flight (copy-engine staging never pipelines). */
+    const u32 status = await_sent(ctrl, st, !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage,
+                                  seq, me);
     if (status != 0) {
         /* A failed call must not leave a plausible result behind (a graph
          * replay has no host to check): NaN everywhere. */
         for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
     }
-    __syncthreads();
-    if (tid == 0) {
-        st->stage_next = 0;
-        st->staged = 0;
-        st->sum_next = 0;
-        st->depart = 0;
-        st->seq = seq;
-        __threadfence();
-        /* Informational (watchdog, logs): no ordering needed. */
-        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
-    }
+    close_launch(ctrl, st, seq, status);
 }
 
 

@@ -278,33 +278,13 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     }
 
     /* ---- leave: the last block out closes the launch's calls ---- */
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence();
-        s_ticket = atom_add_acq_rel_gpu(&st->depart, 1u);
-    }
-    __syncthreads();
-    if (s_ticket != gridDim.x - 1) return;
-
+    if (!depart_last(st, &s_ticket)) return;
     /* Copy-engine staging: as one-shot, the launch ends only once the proxy
      * has finished reading every slot it published (the next call's
      * copies overwrite both send slots): the last call it published, read
      * back from ctrl.seq (this GPU side's own release store). */
-    if (tid == 0 && !p.sm_staging) {
-        const u64 pub = ld_acquire_sys_u64(&ctrl->seq);
-        if (pub >= seq) {
-            const u64 t0 = globaltimer();
-            for (;;) {
-                if (ld_acquire_sys_u64(&ctrl->sent) >= pub) break;
-                if (globaltimer() - t0 > st->timeout_ns) {
-                    arx_fail(ctrl, st, ARX_STATUS_TIMEOUT, me, 0xFFFFFFFFu, pub, 0);
-                    break;
-                }
-            }
-        }
-    }
-    __syncthreads();
-    const u32 status = ld_relaxed_gpu_u32(&st->status);
+    const u64 pub = p.sm_staging ? 0 : ld_acquire_sys_u64(&ctrl->seq);
+    const u32 status = await_sent(ctrl, st, !p.sm_staging && pub >= seq, pub, me);
     if (status != 0) {
         /* NaN over everything the call writes (see one-shot). */
         const u32 p0 = kind == ARX_COLL_REDUCE_SCATTER ? r0 : 0u;
@@ -314,18 +294,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
             out[(u64)q * out_stride + (e - q * L)] = T::poison();
         }
     }
-    __syncthreads();
-    if (tid == 0) {
-        st->stage_next = 0;
-        st->staged = 0;
-        st->sum_next = 0;
-        st->reduced = 0;
-        st->gather_next = 0;
-        st->depart = 0;
-        st->seq = gseq;
-        __threadfence();
-        if (status == 0) st_relaxed_sys_u64(&ctrl->done, gseq);
-    }
+    close_launch(ctrl, st, gseq, status);
 }
 
 #endif /* ARX_TWOSHOT_CUH */

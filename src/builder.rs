@@ -61,8 +61,9 @@ impl Builder {
         self
     }
     /// Test hook, not for use: pauses `d` before each pipelined chunk's
-    /// sum on the host side (calls longer than one slot), so that a test
-    /// can make one rank the slow one while its peers run ahead.
+    /// sum on the host side (calls longer than one slot), and before every
+    /// one-shot sum on the GPU side, so that a test can make one rank the
+    /// slow one while its peers run ahead.
     #[doc(hidden)]
     pub fn test_sum_delay(mut self, d: Duration) -> Self {
         self.o.sum_delay = Some(d);

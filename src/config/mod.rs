@@ -267,8 +267,9 @@ pub struct Config {
     /// (`ARX_GPU_UNROLL`); `None`: chosen by size.
     pub gpu_unroll: Option<u32>,
     /// Test hook (`Builder::test_sum_delay`, no environment variable): a
-    /// pause before each pipelined chunk's sum on the host side, so that
-    /// tests can make this rank the slow one. Not exchanged with peers.
+    /// pause before each pipelined chunk's sum on the host side, and before
+    /// every one-shot sum on the GPU side (each block, after its wait), so
+    /// that tests can make this rank the slow one. Not exchanged with peers.
     pub sum_delay: Option<Duration>,
 }
 

@@ -173,6 +173,17 @@ impl Module {
     }
 }
 
+/// A one-shot chunk's part in a pipelined call (`arx_params_t.prestaged`,
+/// `next_*`; kernels/oneshot.cuh).
+#[derive(Debug, Clone, Copy, Default)]
+struct Pipe {
+    /// The previous launch staged and published this chunk.
+    prestaged: bool,
+    /// The next chunk this launch stages and publishes early: its input
+    /// address, element count and count-field bits.
+    next: Option<(u64, usize, u32)>,
+}
+
 /// What a launch of the collective kernel runs (its `kind` argument,
 /// `ARX_COLL_*` in kernels/twoshot.cuh).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -301,6 +312,9 @@ pub(crate) struct GpuSide {
     staging: Staging,
     max_blocks: u32,
     unroll: Option<u32>,
+    /// `Builder::test_sum_delay` in nanoseconds (0: none), for the
+    /// one-shot kernels (`arx_params_t.sum_delay_ns`).
+    sum_delay_ns: u32,
     ordinal: usize,
     arch: String,
     /// What the device reported and what was chosen for it.
@@ -389,7 +403,7 @@ impl GpuSide {
         let max_blocks = cfg
             .gpu_blocks
             .unwrap_or_else(|| (sms / (2 * ranks_on_node.max(1) as u32)).clamp(1, MAX_BLOCKS));
-        // SAFETY: a fresh 64-byte device allocation, freed in Drop.
+        // SAFETY: a fresh device allocation of one arx_gpu_state_t, freed in Drop.
         let state = unsafe { result::malloc_sync(std::mem::size_of::<abi::arx_gpu_state_t>()) }
             .map_err(cuda_err("cuMemAlloc"))?;
         let init = abi::arx_gpu_state_t {
@@ -432,6 +446,9 @@ impl GpuSide {
             staging,
             max_blocks,
             unroll: cfg.gpu_unroll,
+            sum_delay_ns: cfg
+                .sum_delay
+                .map_or(0, |d| u32::try_from(d.as_nanos()).unwrap_or(u32::MAX)),
             arch,
             platform,
         })
@@ -508,24 +525,50 @@ impl GpuSide {
             None => {
                 let c = count.min(abi::ARX_MAX_CHUNK as usize);
                 // SAFETY: a refusal touches no memory.
-                unsafe { self.launch_one(0, 0, c, None, 0, stream) }
+                unsafe { self.launch_one([0, 0], c, None, 0, Pipe::default(), stream) }
             }
-            Some((d, per, op)) => chunked::call_chunks(count, per, 1).try_for_each(|c| {
-                let at = (c.range.start * d.size()) as u64;
-                // SAFETY: the chunk lies within the caller's `count`
-                // elements (the caller's contract), and holds at most `per`
-                // elements, one slot's worth.
-                unsafe {
-                    self.launch_one(
-                        input + at,
-                        output + at,
-                        c.range.len(),
-                        Some((d, op)),
-                        c.bits(),
-                        stream,
-                    )
-                }
-            }),
+            Some((d, per, op)) => {
+                // Pipelined (SM staging only: copy-engine copies would
+                // overwrite a slot in flight): launch k stages and publishes
+                // chunk k + 1 unless that is the last chunk, which waits for
+                // the sum of the one before (arx_abi.h, "A call longer than
+                // one slot"); launch k + 1 then finds it published.
+                let pipe = self.staging == Staging::Sm;
+                let n = chunked::call_chunks(count, per, 1).count();
+                let nexts = chunked::call_chunks(count, per, 1)
+                    .skip(1)
+                    .map(Some)
+                    .chain(std::iter::once(None));
+                chunked::call_chunks(count, per, 1)
+                    .zip(nexts)
+                    .enumerate()
+                    .try_for_each(|(k, (c, next))| {
+                        let at = |i: usize| input + (i * d.size()) as u64;
+                        let pipe_in = Pipe {
+                            prestaged: pipe && k >= 1 && k + 1 < n,
+                            next: next
+                                .filter(|_| pipe && k + 2 < n)
+                                .map(|x| (at(x.range.start), x.range.len(), x.bits())),
+                        };
+                        // SAFETY: the chunk (and the next one, read by this
+                        // launch when pipelined) lies within the caller's
+                        // `count` elements (the caller's contract), and
+                        // holds at most `per` elements, one slot's worth.
+                        unsafe {
+                            self.launch_one(
+                                [
+                                    at(c.range.start),
+                                    output + (c.range.start * d.size()) as u64,
+                                ],
+                                c.range.len(),
+                                Some((d, op)),
+                                c.bits(),
+                                pipe_in,
+                                stream,
+                            )
+                        }
+                    })
+            }
         };
         // Recorded also after a failed enqueue: the instance is failed then,
         // and later launches must still wait for what was enqueued.
@@ -541,17 +584,19 @@ impl GpuSide {
 
     /// Enqueues one chunk: the copy-engine staging (if chosen) and the
     /// kernel. `dtype`: the element type and op (None: a refusal); `bits`:
-    /// the chunk's count-field bits ([`chunked::Chunk::bits`]).
+    /// the chunk's count-field bits ([`chunked::Chunk::bits`]); `pipe`: its
+    /// part in a pipelined call.
     ///
     /// # Safety
-    /// As [`GpuSide::launch`], for `count` ≤ one slot's worth of elements.
+    /// As [`GpuSide::launch`], for `count` ≤ one slot's worth of elements
+    /// (and the next chunk's, when `pipe` names one).
     unsafe fn launch_one(
         &mut self,
-        input: u64,
-        output: u64,
+        [input, output]: [u64; 2],
         count: usize,
         dtype: Option<(Dtype, crate::Op)>,
         bits: u32,
+        pipe: Pipe,
         stream: sys::CUstream,
     ) -> Result<()> {
         let d = dtype.map(|(d, _)| d);
@@ -559,13 +604,11 @@ impl GpuSide {
         let op = dtype.map_or(crate::Op::Sum, |(_, o)| o);
         let code = d.map_or(abi::ARX_DTYPE_INVALID, Dtype::code);
         let bytes = d.map_or(0, |d| d.size() * count);
-        let ce = self.staging == Staging::CopyEngine;
-        if ce && bytes > 0 {
+        if self.staging == Staging::CopyEngine && bytes > 0 {
             // Both slots for every chunk: the parity lives in device memory.
             // The previous chunk's kernel ended only once the proxy had sent
             // its slot (`ctrl.sent`), so these copies overwrite nothing in
-            // flight (copy-engine chunks therefore do not overlap each
-            // other's sends; SM-staged chunks do).
+            // flight (copy-engine chunks therefore are not pipelined).
             for parity in 0..2 {
                 let dst = self.region_dev + (self.layout.send_offset(parity) + base) as u64;
                 // SAFETY: `dst` is a send slot of the mapped region (the
@@ -575,7 +618,31 @@ impl GpuSide {
                     .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             }
         }
-        let mut params = abi::arx_params_t {
+        let mut params = self.params([input, output], count, code, bits, op.code());
+        params.sum_delay_ns = self.sum_delay_ns;
+        params.prestaged = u32::from(pipe.prestaged);
+        if let Some((next_input, next_count, next_bits)) = pipe.next {
+            params.next_input = next_input;
+            params.next_count = next_count as u32;
+            params.next_more = next_bits;
+        }
+        // SAFETY: the one-shot kernels take exactly one `arx_params_t` by
+        // value (kernels/arx.cu); the addresses in it are valid by the
+        // caller's contract.
+        unsafe { self.fire(self.module.kernel(code), d, params, &mut [], stream) }
+    }
+
+    /// The kernel parameters of one chunk of `count` elements (`code`: the
+    /// dtype's ABI code; `bits`: its count-field bits), not pipelined.
+    fn params(
+        &self,
+        [input, output]: [u64; 2],
+        count: usize,
+        code: u32,
+        bits: u32,
+        op: u32,
+    ) -> abi::arx_params_t {
+        abi::arx_params_t {
             region: self.region_dev,
             state: self.state,
             input,
@@ -583,26 +650,49 @@ impl GpuSide {
             layout: self.layout.raw(),
             count: count as u32,
             dtype: code,
-            sm_staging: u32::from(!ce),
+            sm_staging: u32::from(self.staging == Staging::Sm),
             unroll: 1,
             more: bits,
-            op: op.code(),
-        };
-        let aligned = (input | output) & 15 == 0;
-        let (blocks, unroll) = d.map_or((1, 1), |d| self.shape(count, d, aligned));
+            op,
+            ..Default::default()
+        }
+    }
+
+    /// Launches kernel `f` on `stream` with `params` first and then the
+    /// by-value arguments `extra` points to, in the launch shape of
+    /// `params.count` elements of `dtype` (None, a refusal: one block).
+    ///
+    /// # Safety
+    /// `f`'s parameters must be exactly an `arx_params_t` followed by what
+    /// `extra` points to, in order and by type; every address in `params`
+    /// must be valid for the call (the region and state live as long as
+    /// this side).
+    unsafe fn fire(
+        &self,
+        f: sys::CUfunction,
+        dtype: Option<Dtype>,
+        mut params: abi::arx_params_t,
+        extra: &mut [*mut c_void],
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        let aligned = (params.input | params.output) & 15 == 0;
+        let (blocks, unroll) =
+            dtype.map_or((1, 1), |d| self.shape(params.count as usize, d, aligned));
         params.unroll = unroll;
-        let mut args = [(&mut params as *mut abi::arx_params_t).cast::<c_void>()];
-        // SAFETY: the kernel takes exactly one `arx_params_t` by value
-        // (kernels/arx.cu); the addresses in it are valid by the caller's
-        // contract and the region/state live as long as this side.
+        let mut args = [std::ptr::null_mut::<c_void>(); 4];
+        args[0] = (&mut params as *mut abi::arx_params_t).cast();
+        let n = 1 + extra.len();
+        args[1..n].copy_from_slice(extra);
+        // SAFETY: by the caller's contract; `params` and what `extra`
+        // points to outlive the call (the driver copies the arguments).
         unsafe {
             result::launch_kernel(
-                self.module.kernel(code),
+                f,
                 (blocks, 1, 1),
                 (THREADS, 1, 1),
                 0,
                 stream,
-                &mut args,
+                &mut args[..n],
             )
         }
         .map_err(cuda_err("cuLaunchKernel"))
@@ -763,27 +853,11 @@ impl GpuSide {
                 r.map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             }
         }
-        let mut params = abi::arx_params_t {
-            region: self.region_dev,
-            state: self.state,
-            input,
-            output,
-            layout: self.layout.raw(),
-            count: count as u32,
-            dtype: dtype.code(),
-            sm_staging: u32::from(!ce),
-            unroll: 1,
-            more: bits,
-            op: op.code(),
-        };
-        let aligned = (input | output) & 15 == 0;
-        let (blocks, unroll) = self.shape(count, dtype, aligned);
-        params.unroll = unroll;
+        let params = self.params([input, output], count, dtype.code(), bits, op.code());
         let mut kind = coll.kind();
         let [mut in_stride, mut out_stride] = strides;
-        let mut args = [
-            (&mut params as *mut abi::arx_params_t).cast::<c_void>(),
-            (&mut kind as *mut u32).cast(),
+        let mut extra = [
+            (&mut kind as *mut u32).cast::<c_void>(),
             (&mut in_stride as *mut u64).cast(),
             (&mut out_stride as *mut u64).cast(),
         ];
@@ -791,16 +865,14 @@ impl GpuSide {
         // (kernels/arx.cu, arx_collective_*); addresses valid as in
         // `launch_one`.
         unsafe {
-            result::launch_kernel(
+            self.fire(
                 self.module.collective(dtype),
-                (blocks, 1, 1),
-                (THREADS, 1, 1),
-                0,
+                Some(dtype),
+                params,
+                &mut extra,
                 stream,
-                &mut args,
             )
         }
-        .map_err(cuda_err("cuLaunchKernel"))
     }
 
     /// Enqueues a broadcast from `root` of `n` elements on `stream`
@@ -846,42 +918,23 @@ impl GpuSide {
                         .map_err(cuda_err("cuMemcpyDtoDAsync"))?;
                 }
             }
-            let mut params = abi::arx_params_t {
-                region: self.region_dev,
-                state: self.state,
-                input,
-                output,
-                layout: self.layout.raw(),
-                count: count as u32,
-                dtype: dtype.code(),
-                sm_staging: u32::from(!ce),
-                unroll: 1,
-                more: if c.more { abi::ARX_FLAG_MORE } else { 0 },
-                op: abi::ARX_OP_SUM,
-            };
-            let aligned = (input | output) & 15 == 0;
-            let (blocks, unroll) = self.shape(count, dtype, aligned);
-            params.unroll = unroll;
+            let more = if c.more { abi::ARX_FLAG_MORE } else { 0 };
+            let params = self.params([input, output], count, dtype.code(), more, abi::ARX_OP_SUM);
             let mut root = root as u32;
-            let mut args = [
-                (&mut params as *mut abi::arx_params_t).cast::<c_void>(),
-                (&mut root as *mut u32).cast(),
-            ];
+            let mut extra = [(&mut root as *mut u32).cast::<c_void>()];
             // SAFETY: the kernel takes (arx_params_t, u32) by value
             // (kernels/arx.cu, arx_broadcast_*); the chunk lies within the
             // caller's buffers (the caller's contract) and holds at most one
-            // slot's worth; the region and state live as long as this side.
+            // slot's worth.
             unsafe {
-                result::launch_kernel(
+                self.fire(
                     self.module.broadcast(dtype),
-                    (blocks, 1, 1),
-                    (THREADS, 1, 1),
-                    0,
+                    Some(dtype),
+                    params,
+                    &mut extra,
                     stream,
-                    &mut args,
                 )
             }
-            .map_err(cuda_err("cuLaunchKernel"))
         });
         // As in `launch`: recorded also after a failed enqueue.
         let after = self.order.after(stream, cap);

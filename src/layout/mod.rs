@@ -44,8 +44,8 @@ const PARITIES: usize = abi::ARX_PARITIES as usize;
 // The Rust side agrees with the header's own static asserts.
 const _: () = assert!(std::mem::size_of::<abi::arx_ctrl_t>() == 256);
 const _: () = assert!(std::mem::size_of::<abi::arx_layout_t>() == 56);
-const _: () = assert!(std::mem::size_of::<abi::arx_gpu_state_t>() == 64);
-const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 112);
+const _: () = assert!(std::mem::size_of::<abi::arx_gpu_state_t>() == 72);
+const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 136);
 
 pub(crate) const fn align_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a

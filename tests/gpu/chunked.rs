@@ -130,8 +130,10 @@ pub(super) fn chunked_graph(ctx: &Ctx, st: Staging) -> R {
     )?;
     checked_call::<f16>(ctx, &mut arx, &s, 0xD300_0001, 99, Placement::OutOfPlace)?;
     ctx.say(format!(
-        "{replays} replays each: a {}-chunk bf16 call, a 4-chunk f32 call, a graph of a 3-chunk f32 call and a 1000 x bf16 call; then eager calls",
-        (2 * mb + 3).div_ceil(mb)
+        "{replays} replays each: a {}-chunk bf16 call, a {}-chunk f32 call, a graph of a {}-chunk f32 call and a 1000 x bf16 call; then eager calls",
+        (2 * mb + 3).div_ceil(mb / 2),
+        (3 * mf + mf / 2 + 1).div_ceil(mf / 2),
+        n1.div_ceil(mf / 2)
     ));
     Ok(())
 }
@@ -232,5 +234,68 @@ pub(super) fn chunked_mismatch(ctx: &Ctx, st: Staging) -> R {
     if arx.allreduce(&din, &mut dout, &s).is_ok() {
         return Err("a failed instance accepted another call".into());
     }
+    Ok(())
+}
+
+/// Chunked calls back to back on one stream with nothing between them,
+/// the last rank the slow one (`test_sum_delay`: each of its blocks pauses
+/// before it sums), so its peers run ahead as far as the pipelined
+/// protocol lets them (arx_abi.h, "A call longer than one slot": launch k
+/// publishes chunk k + 1 before its sum, never the last chunk). Lengths of
+/// 2 to 9 chunks (the last of 1 to 3 elements) alternate with calls of
+/// most of one slot; in place and out of place; every output checked at
+/// the end. Copy-engine staging runs the same calls unpipelined.
+pub(super) fn chunked_back_to_back(ctx: &Ctx, st: Staging) -> R {
+    let slow = ctx.rank == ctx.n - 1;
+    let (mut arx, s) = with_sum_delay(slow.then(|| Duration::from_micros(500)), || {
+        build_opts(
+            ctx,
+            st,
+            Duration::from_secs(30),
+            Some(SMALL_SLOT),
+            Some(arx::Algo::OneShot),
+        )
+    })?;
+    let m = arx.max_count::<f32>();
+    let calls: u64 = if ctx.quick { 8 } else { 24 };
+    let mut keep = Vec::new();
+    let mut outs = Vec::new();
+    for c in 0..calls {
+        let count = if c % 2 == 0 {
+            m / 2 * (1 + (c as usize / 2) % 8) + 1 + (c as usize % 3)
+        } else {
+            m - (c as usize * 31) % (m / 4)
+        };
+        let call = 0xC_B000 + c;
+        let (mine, want) = call_data::<f32>(ctx, call, count);
+        if c % 4 < 2 {
+            let mut buf = up(&s, &mine)?;
+            arx.allreduce_in_place(&mut buf, &s)
+                .map_err(e("allreduce_in_place"))?;
+            outs.push((call, buf, want));
+        } else {
+            let din = up(&s, &mine)?;
+            let mut dout = poisoned::<f32>(&s, count)?;
+            arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+            keep.push(din);
+            outs.push((call, dout, want));
+        }
+    }
+    s.synchronize().map_err(e("synchronize"))?;
+    arx.check().map_err(e("check"))?;
+    for (call, d, want) in &outs {
+        let got = down(&s, d)?;
+        ctx.fold(&got);
+        compare(
+            &format!("call {call:#x}: {} x f32 (chunks of {})", want.len(), m / 2),
+            &got,
+            want,
+        )?;
+    }
+    ctx.say(format!(
+        "{calls} calls back to back (2..9 chunks of {} f32, or one slot), rank {} slow",
+        m / 2,
+        ctx.n - 1
+    ));
     Ok(())
 }

@@ -336,6 +336,10 @@ fn child() -> ExitCode {
             chunked_mismatch,
         ),
         (
+            "pipelined chunked calls back to back, one rank slow",
+            chunked_back_to_back,
+        ),
+        (
             "max, min, avg: every dtype, length and placement, eager",
             ops_eager,
         ),
@@ -504,6 +508,18 @@ thread_local! {
     /// The all-reduce algorithm every instance the cases build runs
     /// (None: `ARX_ALGO` or its default); see [`with_algo`].
     static ALGO: Cell<Option<arx::Algo>> = const { Cell::new(None) };
+    /// `Builder::test_sum_delay` of the instances built meanwhile; see
+    /// [`with_sum_delay`].
+    static SUM_DELAY: Cell<Option<Duration>> = const { Cell::new(None) };
+}
+
+/// Runs `f` with every instance it builds slowed by `d` before each sum
+/// (`Builder::test_sum_delay`; None: not slowed).
+fn with_sum_delay<T>(d: Option<Duration>, f: impl FnOnce() -> T) -> T {
+    let before = SUM_DELAY.with(|a| a.replace(d));
+    let r = f();
+    SUM_DELAY.with(|a| a.set(before));
+    r
 }
 
 /// Runs `f` with every instance it builds forced to `algo` (how the
@@ -542,6 +558,9 @@ fn build_opts(
     }
     if let Some(a) = algo.or_else(|| ALGO.with(Cell::get)) {
         b = b.algo(a);
+    }
+    if let Some(d) = SUM_DELAY.with(Cell::get) {
+        b = b.test_sum_delay(d);
     }
     let arx = b.build(ctx.world).map_err(e("Arx::new"))?;
     let cuda = arx.cuda_context().ok_or("no CUDA context")?.clone();
