@@ -313,11 +313,13 @@ fn nccl_type(d: Dtype) -> sys::ncclDataType_t {
 
 impl Nccl {
     /// NCCL's `coll` (a sum where it reduces) on `s`, with NCCL's `count`
-    /// and in-place rules: all-reduce, `send` and `recv` hold `count`
-    /// elements of `dtype` (the same address: in place); reduce-scatter,
-    /// `send` holds N·`count`, `recv` `count` (in place: `recv` is `send`
-    /// + rank·`count` elements); all-gather, `send` holds `count`, `recv`
-    /// N·`count` (in place: `send` is `recv` + rank·`count` elements).
+    /// and in-place rules, in elements of `dtype`:
+    /// - all-reduce: `send` and `recv` hold `count` (the same address: in
+    ///   place);
+    /// - reduce-scatter: `send` holds N·`count`, `recv` `count` (in place:
+    ///   `recv` is rank·`count` elements into `send`);
+    /// - all-gather: `send` holds `count`, `recv` N·`count` (in place:
+    ///   `send` is rank·`count` elements into `recv`).
     ///
     /// # Safety
     /// `send` and `recv` are device allocations of at least those lengths
