@@ -57,7 +57,7 @@ pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_POISON_COUNT as usize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CallKind {
-    /// An all-reduce of this element type.
+    /// A call of this element type (which collective: [`CallDesc::pattern`]).
     Reduce(Dtype),
     /// A call the rank refused (bad arguments): see that rank's own error.
     Refused,
@@ -164,31 +164,27 @@ impl std::fmt::Display for CallDesc {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let n = self.count;
         match self.kind {
-            CallKind::Reduce(d) => match self.pattern {
-                Pattern::Whole => write!(f, "{} of {n} x {}", self.op, d.name())?,
-                Pattern::Scatter => write!(
-                    f,
-                    "{} of {n} x {}, reduce-scatter step (two-shot or reduce_scatter)",
-                    self.op,
-                    d.name()
-                )?,
-                Pattern::Gather => write!(
-                    f,
-                    "all-gather step of {n} x {} (two-shot or all_gather)",
-                    d.name()
-                )?,
-                Pattern::Broadcast { root } => write!(
-                    f,
-                    "broadcast of {n} x {}{}",
-                    d.name(),
-                    if root {
-                        " as its root"
-                    } else {
-                        ", not as its root"
+            CallKind::Reduce(d) => {
+                let (op, d) = (self.op, d.name());
+                match self.pattern {
+                    Pattern::Whole => write!(f, "an allreduce ({op} of {n} x {d})")?,
+                    Pattern::Scatter => write!(
+                        f,
+                        "a reduce-scatter step ({op} of {n} x {d}: a reduce_scatter or a two-shot allreduce)"
+                    )?,
+                    Pattern::Gather => write!(
+                        f,
+                        "an all-gather step ({n} x {d}: an all_gather or a two-shot allreduce)"
+                    )?,
+                    Pattern::Broadcast { root: true } => {
+                        write!(f, "a broadcast ({n} x {d}) as its root")?
                     }
-                )?,
-                Pattern::Unknown(c) => write!(f, "{n} x {} in unknown pattern {c}", d.name())?,
-            },
+                    Pattern::Broadcast { root: false } => {
+                        write!(f, "a broadcast ({n} x {d}) with another rank as root")?
+                    }
+                    Pattern::Unknown(c) => write!(f, "a call of {n} x {d} in unknown pattern {c}")?,
+                }
+            }
             CallKind::FabricFailed => {
                 return write!(f, "nothing: its fabric failed (see that rank's error)")
             }
@@ -196,7 +192,7 @@ impl std::fmt::Display for CallDesc {
                 f,
                 "a call it refused ({n} elements: bad arguments; see that rank's error)"
             )?,
-            CallKind::Unknown(c) => write!(f, "{n} elements of unknown dtype {c}")?,
+            CallKind::Unknown(c) => write!(f, "a call of {n} elements of unknown dtype {c}")?,
         }
         if self.more {
             write!(f, " then more (a chunk of a call longer than one slot)")?;
@@ -432,18 +428,18 @@ mod tests {
         );
         assert_eq!(
             d.to_string(),
-            "sum of 1024 x float then more (a chunk of a call longer than one slot)"
+            "an allreduce (sum of 1024 x float) then more (a chunk of a call longer than one slot)"
         );
         let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_BF16, 1024));
         assert_eq!((d.count, d.more), (1024, false));
-        assert_eq!(d.to_string(), "sum of 1024 x bfloat16");
+        assert_eq!(d.to_string(), "an allreduce (sum of 1024 x bfloat16)");
         let f = crate::protocol::flag_word_op(9, abi::ARX_DTYPE_BF16, crate::Op::Min.code(), 7);
         let d = CallDesc::of_flag(f);
         assert_eq!(
             (d.kind, d.op),
             (CallKind::Reduce(Dtype::Bf16), crate::Op::Min)
         );
-        assert_eq!(d.to_string(), "min of 7 x bfloat16");
+        assert_eq!(d.to_string(), "an allreduce (min of 7 x bfloat16)");
         let n = abi::ARX_MAX_CHUNK as usize;
         let d = CallDesc::of_flag(flag_word(9, abi::ARX_DTYPE_F16, n | more));
         assert_eq!((d.count, d.more), (n, true));

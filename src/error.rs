@@ -40,11 +40,11 @@ pub enum Error {
         theirs: String,
     },
 
-    /// A peer called `allreduce` with another element count or dtype for the
-    /// same call.
-    #[error(
-        "call {seq}: rank {rank} called allreduce with {ours}, but rank {peer} called it with {theirs}"
-    )]
+    /// A peer made another call than this rank for the same call number:
+    /// another collective, element count, dtype, op or broadcast root, or
+    /// a call it refused. Each side is described by what its flag word
+    /// announced ([`crate::CallDesc`]).
+    #[error("call {seq}: rank {rank} made {ours}, but rank {peer} made {theirs}")]
     CallMismatch {
         /// The call number (1 for the first call of an instance).
         seq: u64,
@@ -188,5 +188,69 @@ impl Error {
             },
             e => e,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi;
+    use crate::dtype::CallDesc;
+    use crate::protocol::{bcast_flag, count_field, flag_word, flag_word_op};
+
+    fn mismatch(ours: u64, theirs: u64) -> String {
+        Error::CallMismatch {
+            seq: 3,
+            rank: 0,
+            ours: CallDesc::of_flag(ours),
+            peer: 1,
+            theirs: CallDesc::of_flag(theirs),
+        }
+        .to_string()
+    }
+
+    /// Ranks that made different collectives: the text names each rank's
+    /// collective with its count, dtype, op (where it reduces) and root
+    /// role (a broadcast), not "called allreduce with a broadcast".
+    #[test]
+    fn a_call_mismatch_names_both_ranks_collectives() {
+        let f32c = abi::ARX_DTYPE_F32;
+        let whole = flag_word(3, f32c, 32);
+        let root = bcast_flag(3, f32c, 32, false, 0, 0);
+        assert_eq!(
+            mismatch(root, whole),
+            "call 3: rank 0 made a broadcast (32 x float) as its root, \
+             but rank 1 made an allreduce (sum of 32 x float)"
+        );
+        let other_root = bcast_flag(3, f32c, 32, false, 1, 0);
+        assert_eq!(
+            mismatch(other_root, root),
+            "call 3: rank 0 made a broadcast (32 x float) with another rank as root, \
+             but rank 1 made a broadcast (32 x float) as its root"
+        );
+        let scatter = flag_word_op(
+            3,
+            abi::ARX_DTYPE_BF16,
+            crate::Op::Max.code(),
+            count_field(16, false, abi::ARX_PATTERN_SCATTER),
+        );
+        let gather = flag_word(
+            3,
+            abi::ARX_DTYPE_BF16,
+            count_field(16, true, abi::ARX_PATTERN_GATHER),
+        );
+        assert_eq!(
+            mismatch(scatter, gather),
+            "call 3: rank 0 made a reduce-scatter step (max of 16 x bfloat16: \
+             a reduce_scatter or a two-shot allreduce), but rank 1 made an \
+             all-gather step (16 x bfloat16: an all_gather or a two-shot allreduce) \
+             then more (a chunk of a call longer than one slot)"
+        );
+        let refused = flag_word(3, abi::ARX_DTYPE_INVALID, 32);
+        assert_eq!(
+            mismatch(whole, refused),
+            "call 3: rank 0 made an allreduce (sum of 32 x float), but rank 1 made \
+             a call it refused (32 elements: bad arguments; see that rank's error)"
+        );
     }
 }

@@ -9,13 +9,57 @@
 //! calls of the protocol: a
 //! rank may make a host call where another makes a GPU call.
 
+use cudarc::driver::sys::CUstream;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
+use crate::device::Device;
 use crate::dtype::{Dtype, Element};
 use crate::error::{Error, Result};
 use crate::{Arx, Op};
 
+/// The buffers of a typed GPU call: an input and an output, or one buffer
+/// that is both (in place).
+enum Bufs<'a, T> {
+    Separate(&'a CudaSlice<T>, &'a mut CudaSlice<T>),
+    InPlace(&'a mut CudaSlice<T>),
+}
+
 impl Arx {
+    /// What every typed entry point does around its launch. The stream's
+    /// context is checked first (a stream of another device is refused on
+    /// this rank only: nothing can be enqueued on it). Then an argument
+    /// error `refused` is announced on the stream, showing the peers `count`
+    /// elements, so that they fail at once (inside a graph too); else
+    /// `launch` enqueues the call on the buffers' device addresses (input,
+    /// output; in place the one buffer's twice). The buffers stay borrowed
+    /// (cudarc orders their other uses around the call) until `launch`
+    /// returns.
+    fn typed_call<T>(
+        &mut self,
+        bufs: Bufs<'_, T>,
+        count: usize,
+        refused: Option<Error>,
+        stream: &CudaStream,
+        launch: impl FnOnce(&mut Device, u64, u64, CUstream) -> Result<()>,
+    ) -> Result<()> {
+        self.device.same_context(stream)?;
+        let s = stream.cu_stream();
+        if let Some(e) = refused {
+            return self.device.refuse_gpu(count, e, s);
+        }
+        match bufs {
+            Bufs::Separate(input, output) => {
+                let (i, _ri) = input.device_ptr(stream);
+                let (o, _ro) = output.device_ptr_mut(stream);
+                launch(&mut self.device, i, o, s)
+            }
+            Bufs::InPlace(buf) => {
+                let (p, _r) = buf.device_ptr_mut(stream);
+                launch(&mut self.device, p, p, s)
+            }
+        }
+    }
+
     /// Reduce-scatter on the GPU: `input` holds `N·n` elements (N ranks);
     /// the sum of every rank's `input` is computed and block `r` of it
     /// (elements `r·n..(r+1)·n`) lands in rank `r`'s `output` of `n`
@@ -39,23 +83,20 @@ impl Arx {
         op: Op,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.device.same_context(stream)?;
         let (world, n) = (self.world(), output.len());
-        if input.len() != world.saturating_mul(n) {
-            let e = Error::InvalidArgument(format!(
+        let refused = (input.len() != world.saturating_mul(n)).then(|| {
+            Error::InvalidArgument(format!(
                 "reduce_scatter: input has {} elements, expected {world} ranks x {n} (the output's length)",
                 input.len()
-            ));
-            return self.device.refuse_gpu(n, e, stream.cu_stream());
-        }
-        let (i, _ri) = input.device_ptr(stream);
-        let (o, _ro) = output.device_ptr_mut(stream);
-        // SAFETY: live device allocations of N·n and n elements of T in
-        // this context (checked), borrowed until the launches are enqueued.
-        unsafe {
-            self.device
-                .gpu_collective(false, i, o, n, T::DTYPE, op, stream.cu_stream())
-        }
+            ))
+        });
+        let bufs = Bufs::Separate(input, output);
+        self.typed_call(bufs, n, refused, stream, |d, i, o, s| {
+            // SAFETY: live device allocations of N·n and n elements of T in
+            // this context (checked), borrowed until the launches are
+            // enqueued.
+            unsafe { d.gpu_collective(false, i, o, n, T::DTYPE, op, s) }
+        })
     }
 
     /// In-place [`Arx::reduce_scatter`]: `buf` holds `N·n` elements; this
@@ -76,23 +117,15 @@ impl Arx {
         op: Op,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.device.same_context(stream)?;
-        let n = match self.in_place_blocks("reduce_scatter", buf.len()) {
-            Ok(n) => n,
-            Err(e) => {
-                let c = buf.len() / self.world();
-                return self.device.refuse_gpu(c, e, stream.cu_stream());
-            }
-        };
+        let refused = self.in_place_blocks("reduce_scatter", buf.len()).err();
+        let n = buf.len() / self.world();
         let own = (self.rank() * n * std::mem::size_of::<T>()) as u64;
-        let (p, _r) = buf.device_ptr_mut(stream);
-        // SAFETY: as in `reduce_scatter_op`; the output is this rank's
-        // block of the input (the kernel reduces it only once the whole
-        // input is staged).
-        unsafe {
-            self.device
-                .gpu_collective(false, p, p + own, n, T::DTYPE, op, stream.cu_stream())
-        }
+        self.typed_call(Bufs::InPlace(buf), n, refused, stream, |d, p, _, s| {
+            // SAFETY: as in `reduce_scatter_op`; the output is this rank's
+            // block of the input (the kernel reduces it only once the whole
+            // input is staged).
+            unsafe { d.gpu_collective(false, p, p + own, n, T::DTYPE, op, s) }
+        })
     }
 
     /// All-gather on the GPU: every rank's `input` of `n` elements,
@@ -104,23 +137,20 @@ impl Arx {
         output: &mut CudaSlice<T>,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.device.same_context(stream)?;
         let (world, n) = (self.world(), input.len());
-        if output.len() != world.saturating_mul(n) {
-            let e = Error::InvalidArgument(format!(
+        let refused = (output.len() != world.saturating_mul(n)).then(|| {
+            Error::InvalidArgument(format!(
                 "all_gather: output has {} elements, expected {world} ranks x {n} (the input's length)",
                 output.len()
-            ));
-            return self.device.refuse_gpu(n, e, stream.cu_stream());
-        }
-        let (i, _ri) = input.device_ptr(stream);
-        let (o, _ro) = output.device_ptr_mut(stream);
-        // SAFETY: live device allocations of n and N·n elements of T in
-        // this context (checked), borrowed until the launches are enqueued.
-        unsafe {
-            self.device
-                .gpu_collective(true, i, o, n, T::DTYPE, Op::Sum, stream.cu_stream())
-        }
+            ))
+        });
+        let bufs = Bufs::Separate(input, output);
+        self.typed_call(bufs, n, refused, stream, |d, i, o, s| {
+            // SAFETY: live device allocations of n and N·n elements of T in
+            // this context (checked), borrowed until the launches are
+            // enqueued.
+            unsafe { d.gpu_collective(true, i, o, n, T::DTYPE, Op::Sum, s) }
+        })
     }
 
     /// In-place [`Arx::all_gather`]: `buf` holds `N·n` elements, this
@@ -131,22 +161,14 @@ impl Arx {
         buf: &mut CudaSlice<T>,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.device.same_context(stream)?;
-        let n = match self.in_place_blocks("all_gather", buf.len()) {
-            Ok(n) => n,
-            Err(e) => {
-                let c = buf.len() / self.world();
-                return self.device.refuse_gpu(c, e, stream.cu_stream());
-            }
-        };
+        let refused = self.in_place_blocks("all_gather", buf.len()).err();
+        let n = buf.len() / self.world();
         let own = (self.rank() * n * std::mem::size_of::<T>()) as u64;
-        let (p, _r) = buf.device_ptr_mut(stream);
-        // SAFETY: as in `all_gather`; the input is this rank's block of the
-        // output (the kernel does not copy a block onto itself).
-        unsafe {
-            self.device
-                .gpu_collective(true, p + own, p, n, T::DTYPE, Op::Sum, stream.cu_stream())
-        }
+        self.typed_call(Bufs::InPlace(buf), n, refused, stream, |d, p, _, s| {
+            // SAFETY: as in `all_gather`; the input is this rank's block of
+            // the output (the kernel does not copy a block onto itself).
+            unsafe { d.gpu_collective(true, p + own, p, n, T::DTYPE, Op::Sum, s) }
+        })
     }
 
     /// [`Arx::reduce_scatter_op`] on raw device addresses: `input` holds
@@ -206,27 +228,22 @@ impl Arx {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.device.same_context(stream)?;
         let n = output.len();
-        if let Some(e) = self.bad_root(root) {
-            return self.device.refuse_gpu(n, e, stream.cu_stream());
-        }
-        if input.len() != n {
-            let e = Error::InvalidArgument(format!(
-                "broadcast: input has {} elements, output {n}",
-                input.len()
-            ));
-            return self.device.refuse_gpu(n, e, stream.cu_stream());
-        }
-        let (i, _ri) = input.device_ptr(stream);
-        let (o, _ro) = output.device_ptr_mut(stream);
-        // SAFETY: live device allocations of n elements of T in this
-        // context (checked), borrowed until the launches are enqueued; the
-        // root is a rank (checked).
-        unsafe {
-            self.device
-                .gpu_broadcast(i, o, n, T::DTYPE, root, stream.cu_stream())
-        }
+        let refused = self.bad_root(root).or_else(|| {
+            (input.len() != n).then(|| {
+                Error::InvalidArgument(format!(
+                    "broadcast: input has {} elements, output {n}",
+                    input.len()
+                ))
+            })
+        });
+        let bufs = Bufs::Separate(input, output);
+        self.typed_call(bufs, n, refused, stream, |d, i, o, s| {
+            // SAFETY: live device allocations of n elements of T in this
+            // context (checked), borrowed until the launches are enqueued;
+            // the root is a rank (checked).
+            unsafe { d.gpu_broadcast(i, o, n, T::DTYPE, root, s) }
+        })
     }
 
     /// In-place [`Arx::broadcast`]: `buf` is the root's input and every
@@ -237,18 +254,13 @@ impl Arx {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.device.same_context(stream)?;
         let n = buf.len();
-        if let Some(e) = self.bad_root(root) {
-            return self.device.refuse_gpu(n, e, stream.cu_stream());
-        }
-        let (p, _r) = buf.device_ptr_mut(stream);
-        // SAFETY: as in `broadcast`; the kernel copies nothing on the root
-        // when input and output are one buffer.
-        unsafe {
-            self.device
-                .gpu_broadcast(p, p, n, T::DTYPE, root, stream.cu_stream())
-        }
+        let refused = self.bad_root(root);
+        self.typed_call(Bufs::InPlace(buf), n, refused, stream, |d, p, _, s| {
+            // SAFETY: as in `broadcast`; the kernel copies nothing on the
+            // root when input and output are one buffer.
+            unsafe { d.gpu_broadcast(p, p, n, T::DTYPE, root, s) }
+        })
     }
 
     /// [`Arx::broadcast`] on raw device addresses: `output` holds `n`

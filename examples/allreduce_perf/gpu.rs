@@ -48,17 +48,15 @@ impl Who<'_> {
                 let (in_len, out_len) = (din.len(), dout.len());
                 let (src, _a) = din.device_ptr(s);
                 let (dst, _b) = dout.device_ptr_mut(s);
+                let count = match c.coll {
+                    Coll::ReduceScatter => out_len,
+                    Coll::AllReduce | Coll::AllGather => in_len,
+                };
                 // SAFETY: two device allocations of the call's input and
                 // output lengths on this context; callers keep them (and
                 // any graph that captured this call) alive until the stream
                 // has run it.
-                unsafe {
-                    match c.coll {
-                        Coll::AllReduce => n.all_reduce(src, dst, in_len, T::DTYPE, s),
-                        Coll::ReduceScatter => n.reduce_scatter(src, dst, out_len, T::DTYPE, s),
-                        Coll::AllGather => n.all_gather(src, dst, in_len, T::DTYPE, s),
-                    }
-                }
+                unsafe { n.call(c.coll, src, dst, count, T::DTYPE, s) }
             }
         }
     }
@@ -83,15 +81,14 @@ impl Who<'_> {
                 let per = len / c.n.max(1);
                 let (p, _g) = buf.device_ptr_mut(s);
                 let own = p + (c.rank * per * std::mem::size_of::<T>()) as u64;
+                let (src, dst, count) = match c.coll {
+                    Coll::AllReduce => (p, p, len),
+                    Coll::ReduceScatter => (p, own, per),
+                    Coll::AllGather => (own, p, per),
+                };
                 // SAFETY: as in `oop`, one allocation of N blocks (all-reduce:
                 // one), read and written in place.
-                unsafe {
-                    match c.coll {
-                        Coll::AllReduce => n.all_reduce(p, p, len, T::DTYPE, s),
-                        Coll::ReduceScatter => n.reduce_scatter(p, own, per, T::DTYPE, s),
-                        Coll::AllGather => n.all_gather(own, p, per, T::DTYPE, s),
-                    }
-                }
+                unsafe { n.call(c.coll, src, dst, count, T::DTYPE, s) }
             }
         }
     }

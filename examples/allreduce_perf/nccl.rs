@@ -33,6 +33,7 @@ use mpi::collective::SystemOperation;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 
+use super::colls::Coll;
 use super::gather_text;
 
 /// How long every rank waits for `ncclCommInitRank`.
@@ -311,92 +312,50 @@ fn nccl_type(d: Dtype) -> sys::ncclDataType_t {
 }
 
 impl Nccl {
-    /// `ncclAllReduce` (sum) of `count` elements of `dtype` from `send` to
-    /// `recv` (the same address: in place) on `s`.
+    /// NCCL's `coll` (a sum where it reduces) on `s`, with NCCL's `count`
+    /// and in-place rules, in elements of `dtype`:
+    /// - all-reduce: `send` and `recv` hold `count` (the same address: in
+    ///   place);
+    /// - reduce-scatter: `send` holds N·`count`, `recv` `count` (in place:
+    ///   `recv` is rank·`count` elements into `send`);
+    /// - all-gather: `send` holds `count`, `recv` N·`count` (in place:
+    ///   `send` is rank·`count` elements into `recv`).
     ///
     /// # Safety
-    /// `send` and `recv` are device allocations of at least `count`
-    /// elements on the communicator's device, alive until `s` has run the
-    /// call (or, captured, until the graph's last replay has).
-    pub(super) unsafe fn all_reduce(
+    /// `send` and `recv` are device allocations of at least those lengths
+    /// on the communicator's device, alive until `s` has run the call (or,
+    /// captured, until the graph's last replay has).
+    pub(super) unsafe fn call(
         &self,
+        coll: Coll,
         send: u64,
         recv: u64,
         count: usize,
         dtype: Dtype,
         s: &CudaStream,
     ) -> Result<(), String> {
+        let (send, recv) = (send as *const c_void, recv as *mut c_void);
+        let (ty, sum, comm) = (nccl_type(dtype), sys::ncclRedOp_t::ncclSum, self.comm.0);
+        let st = s.cu_stream() as sys::cudaStream_t;
         // SAFETY: the caller's contract; the stream belongs to the
         // communicator's device.
-        let r = unsafe {
-            sys::ncclAllReduce(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                nccl_type(dtype),
-                sys::ncclRedOp_t::ncclSum,
-                self.comm.0,
-                s.cu_stream() as sys::cudaStream_t,
-            )
+        let (call, r) = unsafe {
+            match coll {
+                Coll::AllReduce => (
+                    "ncclAllReduce",
+                    sys::ncclAllReduce(send, recv, count, ty, sum, comm, st),
+                ),
+                Coll::ReduceScatter => (
+                    "ncclReduceScatter",
+                    sys::ncclReduceScatter(send, recv, count, ty, sum, comm, st),
+                ),
+                Coll::AllGather => (
+                    "ncclAllGather",
+                    sys::ncclAllGather(send, recv, count, ty, comm, st),
+                ),
+            }
         };
-        self.result("ncclAllReduce", r)
-    }
-
-    /// `ncclReduceScatter` (sum): `send` holds N·`count` elements, `recv`
-    /// `count` (in place: `recv` is `send` + rank·`count` elements).
-    ///
-    /// # Safety
-    /// As [`Nccl::all_reduce`], for those lengths.
-    pub(super) unsafe fn reduce_scatter(
-        &self,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: Dtype,
-        s: &CudaStream,
-    ) -> Result<(), String> {
-        // SAFETY: the caller's contract; the stream belongs to the
-        // communicator's device.
-        let r = unsafe {
-            sys::ncclReduceScatter(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                nccl_type(dtype),
-                sys::ncclRedOp_t::ncclSum,
-                self.comm.0,
-                s.cu_stream() as sys::cudaStream_t,
-            )
-        };
-        self.result("ncclReduceScatter", r)
-    }
-
-    /// `ncclAllGather`: `send` holds `count` elements, `recv` N·`count`
-    /// (in place: `send` is `recv` + rank·`count` elements).
-    ///
-    /// # Safety
-    /// As [`Nccl::all_reduce`], for those lengths.
-    pub(super) unsafe fn all_gather(
-        &self,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dtype: Dtype,
-        s: &CudaStream,
-    ) -> Result<(), String> {
-        // SAFETY: the caller's contract; the stream belongs to the
-        // communicator's device.
-        let r = unsafe {
-            sys::ncclAllGather(
-                send as *const c_void,
-                recv as *mut c_void,
-                count,
-                nccl_type(dtype),
-                self.comm.0,
-                s.cu_stream() as sys::cudaStream_t,
-            )
-        };
-        self.result("ncclAllGather", r)
+        self.result(call, r)
     }
 
     fn result(&self, call: &str, r: sys::ncclResult_t) -> Result<(), String> {

@@ -397,8 +397,13 @@ class Comm:
         its peers, at once, as do ranks that disagree on the root or the
         length. Returns the array holding the result (``x`` in place).
 
-        Host buffers and CPU torch tensors, as ``allreduce``; CUDA tensors
-        and arrays raise ``arx.UnsupportedError`` (see ``reduce_scatter``).
+        Every kind of array ``allreduce`` takes, with the same rules: host
+        buffers and CPU torch tensors return when done; CUDA torch tensors,
+        CuPy arrays, ``__cuda_array_interface__`` and DLPack CUDA objects
+        (on a GPU instance and its CUDA device) are enqueued on ``stream``
+        (default: the framework's current stream), return at once and are
+        capturable in ``torch.cuda.graph``. ``out`` must have the input's
+        kind and dtype, and be ``x`` itself or disjoint from it.
         """
         c = self._c
         if c is None:
@@ -410,16 +415,25 @@ class Comm:
                 f"input is a {type(x).__name__} ({kind}) but out is a {type(out).__name__} "
                 f"({_kind(out)}): both must be the same kind of array",
             )
-        if kind in ("torch-cuda", "cai", "dlpack-cuda"):
-            # GPU: wire Arx::broadcast_raw here
-            c.refuse(
-                _count(x),
-                f"broadcast on a CUDA array ({type(x).__name__}): the GPU side of "
-                "broadcast is not in this build; pass host arrays (NumPy, CPU tensors)",
-                True,
-            )
         if not isinstance(root, int) or isinstance(root, bool) or not -(2**63) <= root < 2**63:
             c.refuse(_count(x), f"broadcast: root={root!r} is not a rank of this {self.size}-rank comm")
+        if kind == "dlpack-cuda":
+            torch = self._torch_for_dlpack(x)
+            tx = torch.from_dlpack(x)
+            tout = None if out is None or out is x else torch.from_dlpack(out)
+            self.broadcast(tx, tout, root, stream=stream)
+            return x if out is None else out
+        if kind in ("torch-cuda", "cai"):
+            same = out is None or out is x
+            if kind == "torch-cuda":
+                args, s = self._torch_cuda_args(x, None if same else out, stream)
+            else:
+                args, s = self._cai_args(x, None if same else out, stream, same)
+            (ip, n, dt) = args[0]
+            o = None if same else args[-1]
+            c.broadcast_device(ip, n, dt, None if o is None else o[0], 0 if o is None else o[1],
+                               dt if o is None else o[2], s, root)
+            return x if out is None else out
         if kind == "torch-cpu":
             xv, ov, dt = self._torch_cpu_views(x, None if out is x else out)
         else:

@@ -1,8 +1,9 @@
 //! GPU calls on device addresses (torch tensors, CuPy arrays): the checks
 //! arx cannot make on raw addresses (the instance's side, the memory's
 //! device, the element type, overlap; the lengths of reduce-scatter and
-//! all-gather), then `Arx::allreduce_raw`, `Arx::reduce_scatter_raw` or
-//! `Arx::all_gather_raw`.
+//! all-gather, and broadcast's), then `Arx::allreduce_raw`,
+//! `Arx::reduce_scatter_raw`, `Arx::all_gather_raw` or
+//! `Arx::broadcast_raw`.
 
 use arx::cudarc::driver::sys;
 use arx::{Arx, Dtype, Error};
@@ -130,6 +131,48 @@ pub(crate) fn check(
         count,
         dtype: d,
     })
+}
+
+/// Checks a GPU broadcast as the host path checks one (`host::pair`,
+/// then `Arx::broadcast_host`'s length rule): `broadcast_raw` takes `n` on
+/// trust, so the lengths are checked here. `out` None, or the input's own
+/// memory: in place. Each error names the call.
+pub(crate) fn check_bcast(
+    arx: &Arx,
+    input: (u64, usize, &str),
+    out: Option<(u64, usize, &str)>,
+) -> Result<DeviceCall, Error> {
+    let out = out.unwrap_or(input);
+    let checked = context(arx).and_then(|_| {
+        if input.1 != out.1 {
+            return Err(Error::InvalidArgument(format!(
+                "input has {} elements, output {}",
+                input.1, out.1
+            )));
+        }
+        check(arx, input.0, out.0, input.1, out.1, input.2, out.2)
+    });
+    checked.map_err(|e| match e {
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("broadcast: {m}")),
+        e => e,
+    })
+}
+
+/// Enqueues the checked broadcast from `root` on `stream` (a `root` that
+/// is no rank is refused by arx, the peers failing at once).
+///
+/// # Safety
+/// As [`run`], for the lengths [`check_bcast`] checked.
+pub(crate) unsafe fn run_bcast(
+    arx: &mut Arx,
+    c: &DeviceCall,
+    stream: u64,
+    root: usize,
+) -> arx::Result<()> {
+    let stream = stream as usize as sys::CUstream;
+    // SAFETY: the caller's contract, which is `broadcast_raw`'s; input and
+    // output are one buffer or disjoint (checked).
+    unsafe { arx.broadcast_raw(c.input, c.out, c.count, c.dtype, root, stream) }
 }
 
 /// A reduce-scatter or all-gather on device addresses, checked, in the

@@ -295,33 +295,21 @@ impl Comm {
         dtype: Option<&str>,
         op: &str,
     ) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        let arx = me.instance().map_err(|u| usage_err(py, u))?;
-        let checked = (|| {
+        let check = |_: &Arx| {
             let op = op_named(op)?;
             let bf16 = bf16_keyword(dtype)?;
             let i = host::view(input, "input", out.is_none(), bf16)?;
             let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
             let call = host::pair(&i, o.as_ref())?;
-            Ok((i, o, call, op))
-        })();
-        let (i, o, call, op) = match checked {
-            Ok(c) => c,
-            Err(e) => {
-                let e = arx.refuse_call(host::count_hint(input), e);
-                return Err(arx_err(py, e));
-            }
+            Ok(((i, o), (call, op)))
         };
-        let arx = SendArx(arx);
-        let r = py.detach(move || {
-            let arx = arx;
-            // SAFETY: `i` and `o` hold the exports checked by `view` and
+        let shown = |_| host::count_hint(input);
+        checked_call(slf, py, shown, check, |arx, (call, op)| {
+            // SAFETY: `checked_call` holds the exports checked by `view` and
             // `pair` until after this call; the GIL is released, and the
             // docs tell callers not to touch the arrays during the call.
-            unsafe { host::run(arx.0, &call, op) }
-        });
-        drop((i, o));
-        r.map_err(|e| arx_err(py, e))
+            unsafe { host::run(arx, &call, op) }
+        })
     }
 
     /// Reduce-scatter on host buffers: `input` (`size × n` elements) into
@@ -368,38 +356,21 @@ impl Comm {
         dtype: Option<&str>,
         root: i64,
     ) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        let arx = me.instance().map_err(|u| usage_err(py, u))?;
-        let world = arx.world();
-        let checked = (|| {
-            let root = usize::try_from(root).map_err(|_| {
-                Error::InvalidArgument(format!(
-                    "broadcast: root {root} is not a rank of this {world}-rank comm"
-                ))
-            })?;
+        let check = |arx: &Arx| {
+            let root = root_of(arx, root)?;
             let bf16 = bf16_keyword(dtype)?;
             let i = host::view(input, "input", out.is_none(), bf16)?;
             let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
             let call = host::pair(&i, o.as_ref())?;
-            Ok((i, o, call, root))
-        })();
-        let (i, o, call, root) = match checked {
-            Ok(c) => c,
-            Err(e) => {
-                let e = arx.refuse_call(host::count_hint(input), e);
-                return Err(arx_err(py, e));
-            }
+            Ok(((i, o), (call, root)))
         };
-        let arx = SendArx(arx);
-        let r = py.detach(move || {
-            let arx = arx;
-            // SAFETY: `i` and `o` hold the exports checked by `view` and
+        let shown = |_| host::count_hint(input);
+        checked_call(slf, py, shown, check, |arx, (call, root)| {
+            // SAFETY: `checked_call` holds the exports checked by `view` and
             // `pair` until after this call; the GIL is released, and the
             // docs tell callers not to touch the arrays during the call.
-            unsafe { host::run_bcast(arx.0, &call, root) }
-        });
-        drop((i, o));
-        r.map_err(|e| arx_err(py, e))
+            unsafe { host::run_bcast(arx, &call, root) }
+        })
     }
 
     /// GPU call on device addresses (torch tensors, CuPy arrays), enqueued
@@ -420,25 +391,24 @@ impl Comm {
         stream: u64,
         op: &str,
     ) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        let arx = me.instance().map_err(|u| usage_err(py, u))?;
-        let checked = op_named(op).and_then(|op| {
-            device::check(arx, input, out, count, out_count, dtype, out_dtype).map(|c| (c, op))
-        });
-        let (call, op) = match checked {
-            Ok(c) => c,
-            Err(e) => return Err(arx_err(py, arx.refuse_call(count, e))),
+        let check = |arx: &Arx| {
+            let op = op_named(op)?;
+            let call = device::check(arx, input, out, count, out_count, dtype, out_dtype)?;
+            Ok(((), (call, op)))
         };
-        let arx = SendArx(arx);
-        let r = py.detach(move || {
-            let arx = arx;
-            // SAFETY: `arx.Comm.allreduce` passes the data pointers, element
-            // counts and current stream of live CUDA tensors/arrays it holds
-            // (on this instance's device: checked by `device::check`); the
-            // work is ordered on `stream` like any kernel of the framework.
-            unsafe { device::run(arx.0, &call, stream, op) }
-        });
-        r.map_err(|e| arx_err(py, e))
+        checked_call(
+            slf,
+            py,
+            |_| count,
+            check,
+            |arx, (call, op)| {
+                // SAFETY: `arx.Comm.allreduce` passes the data pointers, element
+                // counts and current stream of live CUDA tensors/arrays it holds
+                // (on this instance's device: checked by `device::check`); the
+                // work is ordered on `stream` like any kernel of the framework.
+                unsafe { device::run(arx, &call, stream, op) }
+            },
+        )
     }
 
     /// GPU reduce-scatter or all-gather on device addresses, enqueued on
@@ -461,40 +431,72 @@ impl Comm {
         stream: u64,
         op: &str,
     ) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        let arx = me.instance().map_err(|u| usage_err(py, u))?;
-        let world = arx.world().max(1);
         let coll = match coll {
             "reduce_scatter" => host::Coll::ReduceScatter,
             _ => host::Coll::AllGather,
         };
-        let checked = op_named(op).and_then(|op| {
-            let o = out.map(|o| (o, out_count, out_dtype));
-            device::check_blocks(arx, coll, (input, count, dtype), o).map(|c| (c, op))
-        });
-        let (call, op) = match checked {
-            Ok(c) => c,
-            Err(e) => {
-                // The count per rank, as arx's own refusals show it.
-                let n = match (coll, out) {
-                    (host::Coll::ReduceScatter, Some(_)) => out_count,
-                    (host::Coll::AllGather, Some(_)) => count,
-                    (_, None) => count / world,
-                };
-                return Err(arx_err(py, arx.refuse_call(n, e)));
-            }
+        // The count per rank, as arx's own refusals show it.
+        let shown = |world: usize| match (coll, out) {
+            (host::Coll::ReduceScatter, Some(_)) => out_count,
+            (host::Coll::AllGather, Some(_)) => count,
+            (_, None) => count / world.max(1),
         };
-        let arx = SendArx(arx);
-        let r = py.detach(move || {
-            let arx = arx;
+        let check = |arx: &Arx| {
+            let op = op_named(op)?;
+            let o = out.map(|o| (o, out_count, out_dtype));
+            let call = device::check_blocks(arx, coll, (input, count, dtype), o)?;
+            Ok(((), (call, op)))
+        };
+        checked_call(slf, py, shown, check, |arx, (call, op)| {
             // SAFETY: `arx.Comm` passes the data pointers, element counts
             // and current stream of live CUDA tensors/arrays it holds;
             // `device::check_blocks` checked their device, lengths and
             // overlap; the work is ordered on `stream` like any kernel of
             // the framework.
-            unsafe { device::run_blocks(arx.0, &call, stream, op) }
-        });
-        r.map_err(|e| arx_err(py, e))
+            unsafe { device::run_blocks(arx, &call, stream, op) }
+        })
+    }
+
+    /// GPU broadcast from `root` on device addresses, enqueued on
+    /// `stream`. Private: `arx.Comm.broadcast` passes the addresses,
+    /// element counts and dtypes of live tensors it holds; `out` None is
+    /// in place in `input`.
+    #[pyo3(signature = (input, count, dtype, out, out_count, out_dtype, stream, root))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast_device(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        input: u64,
+        count: usize,
+        dtype: &str,
+        out: Option<u64>,
+        out_count: usize,
+        out_dtype: &str,
+        stream: u64,
+        root: i64,
+    ) -> PyResult<()> {
+        // The output's length, as `Arx::broadcast` shows it.
+        let out_n = if out.is_some() { out_count } else { count };
+        let check = |arx: &Arx| {
+            let root = root_of(arx, root)?;
+            let o = out.map(|o| (o, out_count, out_dtype));
+            let call = device::check_bcast(arx, (input, count, dtype), o)?;
+            Ok(((), (call, root)))
+        };
+        checked_call(
+            slf,
+            py,
+            |_| out_n,
+            check,
+            |arx, (call, root)| {
+                // SAFETY: `arx.Comm` passes the data pointers, element counts
+                // and current stream of live CUDA tensors/arrays it holds;
+                // `device::check_bcast` checked their device, lengths and
+                // overlap; the work is ordered on `stream` like any kernel of
+                // the framework.
+                unsafe { device::run_bcast(arx, &call, stream, root) }
+            },
+        )
     }
 
     /// Refuses this rank's part of the next call with `message` (an
@@ -558,39 +560,68 @@ fn blocks_host(
     dtype: Option<&str>,
     op: &str,
 ) -> PyResult<()> {
-    let mut me = borrow(py, slf)?;
-    let arx = me.instance().map_err(|u| usage_err(py, u))?;
-    let (world, rank) = (arx.world(), arx.rank());
-    let checked = (|| {
+    // The count per rank, as arx's own refusals show it.
+    let shown = |world: usize| match (coll, out) {
+        (host::Coll::ReduceScatter, Some(o)) => host::count_hint(o),
+        (host::Coll::AllGather, Some(_)) => host::count_hint(input),
+        (_, None) => host::count_hint(input) / world.max(1),
+    };
+    let check = |arx: &Arx| {
         let op = op_named(op)?;
         let bf16 = bf16_keyword(dtype)?;
         let i = host::view(input, "input", out.is_none(), bf16)?;
         let o = out.map(|o| host::view(o, "out", true, bf16)).transpose()?;
-        let call = host::pair_blocks(coll, world, rank, &i, o.as_ref())?;
-        Ok((i, o, call, op))
-    })();
-    let (i, o, call, op) = match checked {
+        let call = host::pair_blocks(coll, arx.world(), arx.rank(), &i, o.as_ref())?;
+        Ok(((i, o), (call, op)))
+    };
+    checked_call(slf, py, shown, check, |arx, (call, op)| {
+        // SAFETY: `checked_call` holds the exports checked by `view` and
+        // `pair_blocks` until after this call; the GIL is released, and the
+        // docs tell callers not to touch the arrays during the call.
+        unsafe { host::run_blocks(arx, &call, op) }
+    })
+}
+
+/// The shape of every call: borrows the instance; `check` makes the
+/// binding's checks and gives what must be held during the call (buffer
+/// exports) and the call; a failed check is refused (`Arx::refuse_call`:
+/// the peers fail at once naming this rank, shown `count(world size)`
+/// elements); else `run` makes the call with the GIL released, and what
+/// was held is dropped after it.
+fn checked_call<H, C: Send>(
+    slf: &Bound<'_, Comm>,
+    py: Python<'_>,
+    count: impl FnOnce(usize) -> usize,
+    check: impl FnOnce(&Arx) -> arx::Result<(H, C)>,
+    run: impl FnOnce(&mut Arx, C) -> arx::Result<()> + Send,
+) -> PyResult<()> {
+    let mut me = borrow(py, slf)?;
+    let arx = me.instance().map_err(|u| usage_err(py, u))?;
+    let (held, call) = match check(arx) {
         Ok(c) => c,
         Err(e) => {
-            // The count per rank, as arx's own refusals show it.
-            let n = match (coll, out) {
-                (host::Coll::ReduceScatter, Some(o)) => host::count_hint(o),
-                (host::Coll::AllGather, Some(_)) => host::count_hint(input),
-                (_, None) => host::count_hint(input) / world.max(1),
-            };
+            let n = count(arx.world());
             return Err(arx_err(py, arx.refuse_call(n, e)));
         }
     };
     let arx = SendArx(arx);
     let r = py.detach(move || {
         let arx = arx;
-        // SAFETY: `i` and `o` hold the exports checked by `view` and
-        // `pair_blocks` until after this call; the GIL is released, and the
-        // docs tell callers not to touch the arrays during the call.
-        unsafe { host::run_blocks(arx.0, &call, op) }
+        run(arx.0, call)
     });
-    drop((i, o));
+    drop(held);
     r.map_err(|e| arx_err(py, e))
+}
+
+/// A broadcast's `root` as a rank number (a negative one is no rank; one
+/// past the world is refused by arx itself).
+fn root_of(arx: &Arx, root: i64) -> arx::Result<usize> {
+    usize::try_from(root).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "broadcast: root {root} is not a rank of this {}-rank comm",
+            arx.world()
+        ))
+    })
 }
 
 /// `&mut Arx` into a closure that runs with the GIL released (on the same

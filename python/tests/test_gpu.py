@@ -3,9 +3,10 @@ float32) eager, in place and out of place, on side streams, captured in
 torch.cuda.graph and replayed; CuPy arrays; the __cuda_array_interface__
 and DLPack paths; the torch custom op eagerly and under torch.compile; and
 the failures (a mismatched call, a refused call, a CUDA tensor on a host
-instance); reduce_scatter and all_gather on CUDA tensors (eager, in place,
-graph capture, streams, CAI/DLPack/CuPy, bad arguments). Run by scripts/gpu-python on the GPU machine, several ranks on one
-GPU under MPS:
+instance); reduce_scatter, all_gather and broadcast on CUDA tensors
+(eager, in place, graph capture, streams, CAI/DLPack/CuPy, bad
+arguments). Run by scripts/gpu-python on the GPU machine, several ranks on
+one GPU under MPS:
 
     mpirun -n 2 python python/tests/test_gpu.py
 
@@ -561,6 +562,203 @@ def reduce_scatter_and_all_gather_refuse_bad_cuda_arguments():
         e, dt = expect_error(lambda: (c.all_gather(x, out), c.check()), arx.CallMismatchError,
                              name="GPU all_gather length on the last rank")
         check(dt < PROMPT, f"GPU all_gather length on the last rank: took {dt:.1f} s")
+
+
+# ---- broadcast on CUDA arrays -------------------------------------------------
+
+def bcast_torch(comm, cid, dtype, n, root, mode):
+    """One broadcast of torch tensors from `root` in `mode` ("out": a
+    disjoint out, "none": out=None, "same": out is x); outputs poisoned
+    (NaN: a non-root's in-place buffer too), checked bit for bit against
+    the root's input as NumPy makes it (random bits, NaN payloads too)."""
+    name = f"broadcast {dtype} n={n} root={root} {mode}"
+    mine = ag_input(cid, n, dtype, RANK)
+    want = ag_input(cid, n, dtype, root)
+    if mode == "out":
+        x = to_torch(mine, dtype)
+        out = nan_tensor(n, dtype)
+        got = comm.broadcast(x, out, root)
+        check(got is out, f"{name}: did not return out")
+        check(same_bits(from_torch(x, dtype), mine), f"{name}: the input changed")
+    else:
+        out = to_torch(mine, dtype) if RANK == root else nan_tensor(n, dtype)
+        got = comm.broadcast(out, root=root) if mode == "none" else comm.broadcast(out, out, root)
+        check(got is out, f"{name}: did not return the tensor")
+    res = from_torch(out, dtype)
+    check(same_bits(res, want), f"{name}: {wrong(res, want)}")
+
+
+@case
+def broadcast_torch_eager():
+    """bf16/f16/f32; n from 1 to beyond a slot (chunked); every root; out
+    of place (a non-root's own input must be ignored), out=None and
+    out=x."""
+    m = COMM.describe()["max_count"]
+    cid = 10000
+    for dtype in ("bfloat16", "float16", "float32"):
+        for n in (1, 1000, m[dtype] + 3):
+            for root in range(SIZE):
+                for mode in ("out", "none", "same"):
+                    cid += 1
+                    bcast_torch(COMM, cid, dtype, n, root, mode)
+    COMM.check()
+
+
+@case
+def broadcast_torch_graph_capture():
+    """Per dtype, an out-of-place broadcast from one root and an in-place
+    one from the next captured in one torch.cuda.graph, replayed 20 times
+    on new inputs with the outputs (and the in-place buffer off the root)
+    poisoned before each replay; the roots change with the dtype."""
+    replays, n = 20, 3000
+    for k, dtype in enumerate(("bfloat16", "float16", "float32")):
+        base = 11000 + 100 * k
+        ra, rb = k % SIZE, (k + 1) % SIZE
+        x = torch.empty(n, dtype=TD[dtype], device=DEV)
+        out = nan_tensor(n, dtype)
+        buf = nan_tensor(n, dtype)
+        x.copy_(to_torch(ag_input(base, n, dtype, RANK), dtype))
+        COMM.broadcast(x, out, ra)  # eager warm-up
+        res, want = from_torch(out, dtype), ag_input(base, n, dtype, ra)
+        check(same_bits(res, want), f"graph warm-up {dtype}: {wrong(res, want)}")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            COMM.broadcast(x, out, ra)
+            COMM.broadcast(buf, root=rb)
+        for i in range(replays):
+            ca, cb = base + 1 + 2 * i, base + 2 + 2 * i
+            x.copy_(to_torch(ag_input(ca, n, dtype, RANK), dtype))
+            out.fill_(float("nan"))
+            if RANK == rb:
+                buf.copy_(to_torch(ag_input(cb, n, dtype, RANK), dtype))
+            else:
+                buf.fill_(float("nan"))
+            g.replay()
+            res, want = from_torch(out, dtype), ag_input(ca, n, dtype, ra)
+            check(same_bits(res, want), f"graph {dtype} replay {i}, root {ra} out of place: {wrong(res, want)}")
+            res, want = from_torch(buf, dtype), ag_input(cb, n, dtype, rb)
+            check(same_bits(res, want), f"graph {dtype} replay {i}, root {rb} in place: {wrong(res, want)}")
+        COMM.check()
+
+
+@case
+def broadcast_on_other_streams_and_array_kinds():
+    """The current stream (behind a 50 ms kernel on a side stream), stream=,
+    the __cuda_array_interface__ and DLPack paths, CuPy arrays if
+    installed, and a root passing a NumPy array to ranks passing CUDA
+    tensors."""
+    n = 4096
+    root = SIZE - 1
+    for i, dtype in enumerate(("bfloat16", "float32")):
+        cid = 11500 + 10 * i
+        src = to_torch(ag_input(cid, n, dtype, RANK), dtype)
+        x = torch.zeros(n, dtype=TD[dtype], device=DEV)
+        out = nan_tensor(n, dtype)
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(100_000_000)
+            x.copy_(src)
+            COMM.broadcast(x, out, root)
+        s.synchronize()
+        res, want = from_torch(out, dtype), ag_input(cid, n, dtype, root)
+        check(same_bits(res, want), f"broadcast on a side stream {dtype}: {wrong(res, want)}")
+        y = torch.zeros(n, dtype=TD[dtype], device=DEV)
+        torch.cuda.synchronize()
+        s2 = torch.cuda.Stream(DEV)
+        with torch.cuda.stream(s2):
+            torch.cuda._sleep(100_000_000)
+            y.copy_(to_torch(ag_input(cid + 1, n, dtype, RANK), dtype))
+        COMM.broadcast(y, root=0, stream=s2)  # in place, on s2, from the default stream
+        s2.synchronize()
+        res, want = from_torch(y, dtype), ag_input(cid + 1, n, dtype, 0)
+        check(same_bits(res, want), f"broadcast stream= {dtype}: {wrong(res, want)}")
+    # __cuda_array_interface__ (float16, out of place) and DLPack
+    # (bfloat16, in place) objects.
+    x, out = to_torch(ag_input(11520, n, "float16", RANK), "float16"), nan_tensor(n, "float16")
+    got = COMM.broadcast(CaiOnly(x), CaiOnly(out), root)
+    torch.cuda.synchronize()
+    res, want = from_torch(out, "float16"), ag_input(11520, n, "float16", root)
+    check(isinstance(got, CaiOnly) and same_bits(res, want), f"CAI broadcast: {wrong(res, want)}")
+    buf = to_torch(ag_input(11521, n, "bfloat16", RANK), "bfloat16") if RANK == 0 else nan_tensor(n, "bfloat16")
+    COMM.broadcast(DlpackOnly(buf), root=0)
+    res, want = from_torch(buf, "bfloat16"), ag_input(11521, n, "bfloat16", 0)
+    check(same_bits(res, want), f"DLPack broadcast in place: {wrong(res, want)}")
+    # The root passes host memory, the others CUDA tensors (the same call
+    # of the protocol).
+    want = ag_input(11522, n, "float32", 0)
+    if RANK == 0:
+        h = want.copy()
+        COMM.broadcast(h)
+        check(same_bits(h, want), "mixed broadcast: the root's host input changed")
+    else:
+        t = nan_tensor(n, "float32")
+        COMM.broadcast(t)
+        res = from_torch(t, "float32")
+        check(same_bits(res, want), f"mixed broadcast, CUDA side: {wrong(res, want)}")
+    COMM.check()
+    try:
+        import cupy
+    except ImportError:
+        note("CuPy not installed: CuPy arrays not tried in broadcast")
+        return
+    with cupy.cuda.Device(COMM.cuda_device):
+        want = ag_input(11530, n, "float32", root)
+        xc = cupy.asarray(want) if RANK == root else cupy.full(n, np.nan, dtype="float32")
+        got = COMM.broadcast(xc, root=root)
+        check(got is xc, "cupy broadcast in place returns the input")
+        res = cupy.asnumpy(xc)
+        check(same_bits(res, want), f"cupy broadcast in place: {wrong(res, want)}")
+        want = ag_input(11531, n, "float16", 0)
+        oc = cupy.full(n, np.nan, dtype="float16")
+        COMM.broadcast(cupy.asarray(ag_input(11531, n, "float16", RANK)), oc, 0)
+        res = cupy.asnumpy(oc)
+        check(same_bits(res, want), f"cupy broadcast out of place: {wrong(res, want)}")
+    COMM.check()
+
+
+@case
+def broadcast_refuses_bad_cuda_arguments():
+    """Each bad call (the same on every rank) raises InvalidArgumentError
+    on every rank naming what is wrong; a root out of range on the last
+    rank only makes the others raise CallMismatchError at once, and so
+    does a length differing there."""
+    n = 64
+    big = torch.zeros(n + 8, device=DEV)
+    bad = [
+        ("lengths", lambda c: c.broadcast(torch.zeros(n, device=DEV), torch.zeros(n + 1, device=DEV)),
+         ("broadcast", f"input has {n} elements, output {n + 1}")),
+        ("overlap", lambda c: c.broadcast(big[:n], big[1:n + 1]), ("broadcast", "overlaps")),
+        ("dtype pair", lambda c: c.broadcast(torch.zeros(n, device=DEV),
+                                             torch.zeros(n, dtype=torch.float16, device=DEV)),
+         ("float32", "float16")),
+        ("float64", lambda c: c.broadcast(torch.zeros(n, dtype=torch.float64, device=DEV)), ("float64",)),
+        ("strided", lambda c: c.broadcast(torch.zeros(2 * n, device=DEV)[::2]), ("contiguous",)),
+        ("root = size", lambda c: c.broadcast(torch.zeros(n, device=DEV), root=SIZE), ("root", "not a rank")),
+        ("root -1", lambda c: c.broadcast(torch.zeros(n, device=DEV), root=-1), ("root -1",)),
+        ("root 1.0", lambda c: c.broadcast(torch.zeros(n, device=DEV), root=1.0), ("root",)),
+    ]
+    for name, fn, words in bad:
+        with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+            e, dt = expect_error(lambda: (fn(c), c.check()), arx.InvalidArgumentError, contains=words,
+                                 name=f"cuda broadcast {name}")
+            check(dt < PROMPT, f"cuda broadcast {name}: took {dt:.1f} s")
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        x = to_torch(ag_input(11600, n, "float32", RANK), "float32")
+        if RANK == SIZE - 1:
+            e, dt = expect_error(lambda: c.broadcast(x, root=SIZE), arx.InvalidArgumentError,
+                                 contains=("root", "not a rank"), name="GPU broadcast refused here")
+        else:
+            e, dt = expect_error(lambda: (c.broadcast(x, root=0), c.check()), arx.CallMismatchError,
+                                 contains=(f"rank {SIZE - 1}",), name="GPU broadcast refused by a peer")
+        check(dt < PROMPT, f"GPU broadcast refusal: took {dt:.1f} s")
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        m = n + (1 if RANK == SIZE - 1 else 0)
+        x = to_torch(ag_input(11601, m, "float32", RANK), "float32")
+        out = nan_tensor(m, "float32")
+        e, dt = expect_error(lambda: (c.broadcast(x, out, 0), c.check()), arx.CallMismatchError,
+                             name="GPU broadcast length on the last rank")
+        check(dt < PROMPT, f"GPU broadcast length on the last rank: took {dt:.1f} s")
 
 
 @case

@@ -741,12 +741,25 @@ def broadcast_disagreements_fail_every_rank_at_once():
 
 
 @case
-def broadcast_refuses_cuda_arrays():
-    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
-        e, dt = expect_error(lambda: comm.broadcast(FakeCudaArray(), FakeCudaArray()), arx.UnsupportedError,
-                             contains=("GPU side of broadcast",), name="cuda broadcast")
-        check(isinstance(e, NotImplementedError), "cuda broadcast: UnsupportedError is a NotImplementedError")
-        check(dt < PROMPT, f"cuda broadcast: took {dt:.1f} s")
+def broadcast_refuses_cuda_arrays_on_a_host_instance():
+    """CUDA arrays go to the GPU entry point (Arx::broadcast_raw), which a
+    host instance refuses (every rank at once, the message naming the
+    call), after the Python-side checks."""
+    for name, fn, words in (
+        ("out of place", lambda c: c.broadcast(FakeCudaArray(), FakeCudaArray(ptr=0x20000)),
+         ("broadcast", "host device side", "device='gpu'")),
+        ("in place", lambda c: c.broadcast(FakeCudaArray(), root=SIZE - 1), ("broadcast", "host device side")),
+        ("float64", lambda c: c.broadcast(FakeCudaArray(typestr="<f8")), ("'<f8'",)),
+        ("read-only out", lambda c: c.broadcast(FakeCudaArray(), FakeCudaArray(ptr=0x20000, readonly=True)),
+         ("read-only",)),
+        ("read-only in place", lambda c: c.broadcast(FakeCudaArray(readonly=True)), ("read-only",)),
+        ("root 1.0", lambda c: c.broadcast(FakeCudaArray(), root=1.0), ("root",)),
+        ("root -1", lambda c: c.broadcast(FakeCudaArray(), root=-1), ("broadcast", "root -1")),
+    ):
+        with arx.Comm(WORLD, device="host", timeout=FAIL_TIMEOUT) as comm:
+            e, dt = expect_error(lambda: fn(comm), arx.InvalidArgumentError, contains=words,
+                                 name=f"cuda broadcast {name}")
+            check(dt < PROMPT, f"cuda broadcast {name}: took {dt:.1f} s")
 
 
 if __name__ == "__main__":

@@ -193,15 +193,9 @@ pub(super) fn graph_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
 ) -> R {
     let mut din = poisoned::<T>(s, count)?;
     let mut dout = poisoned::<T>(s, count)?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx.allreduce(&din, &mut dout, s);
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("allreduce under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(s, "allreduce under capture", || {
+        arx.allreduce(&din, &mut dout, s)
+    })?;
     for i in 0..replays as u64 {
         let (x, want) = wide_data::<T>(ctx, first_call + i, count);
         s.memcpy_htod(&x, &mut din).map_err(e("htod"))?;
@@ -242,27 +236,16 @@ pub(super) fn mismatch(ctx: &Ctx, st: Staging) -> R {
     let (mut arx, s) = build(ctx, st, timeout)?;
     checked_call::<bf16>(ctx, &mut arx, &s, 0x8000_0001, 1000, Placement::OutOfPlace)?;
     let n = if ctx.rank == last { 1001 } else { 1000 };
-    let din = up(&s, &verify::input::<bf16>(SEED, 0x8000_0002, ctx.rank, n))?;
-    let mut dout = poisoned::<bf16>(&s, n)?;
-    s.synchronize().map_err(e("sync"))?;
-    let t = Instant::now();
-    let r = arx
-        .allreduce(&din, &mut dout, &s)
-        .and_then(|()| arx.check());
-    let took = t.elapsed();
-    let msg = match &r {
-        Ok(()) => "no error".to_string(),
-        Err(x) => x.to_string(),
-    };
-    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= timeout {
-        return Err(format!(
-            "mismatch not reported as CallMismatch within {timeout:?} (after {took:.2?}): {msg}"
-        ));
-    }
-    ctx.say(format!(
-        "rank 0 failed in {:.1} ms and says: {msg}",
-        took.as_secs_f64() * 1e3
-    ));
+    let (_, din, mut dout) = expect_mismatch::<bf16>(
+        ctx,
+        &mut arx,
+        &s,
+        "mismatch",
+        0x8000_0002,
+        n,
+        timeout,
+        |a, i, o| a.allreduce(i, o, &s),
+    )?;
     // Later calls return the sticky error at once.
     if arx.allreduce(&din, &mut dout, &s).is_ok() {
         return Err("a failed instance accepted another call".into());

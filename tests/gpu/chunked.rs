@@ -91,17 +91,10 @@ pub(super) fn chunked_graph(ctx: &Ctx, st: Staging) -> R {
     let mut out1 = poisoned::<f32>(&s, n1)?;
     let mut in2 = poisoned::<bf16>(&s, n2)?;
     let mut out2 = poisoned::<bf16>(&s, n2)?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx
-        .allreduce(&in1, &mut out1, &s)
-        .and_then(|()| arx.allreduce(&in2, &mut out2, &s));
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("allreduce under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(&s, "allreduce under capture", || {
+        arx.allreduce(&in1, &mut out1, &s)
+            .and_then(|()| arx.allreduce(&in2, &mut out2, &s))
+    })?;
     for i in 0..replays as u64 {
         let (x1, w1) = wide_data::<f32>(ctx, 0xD200_0000 + 2 * i, n1);
         let (x2, w2) = wide_data::<bf16>(ctx, 0xD200_0001 + 2 * i, n2);
@@ -209,28 +202,17 @@ pub(super) fn chunked_mismatch(ctx: &Ctx, st: Staging) -> R {
         Placement::OutOfPlace,
     )?;
     let n = if ctx.rank == last { 3 * m } else { 2 * m };
-    let din = up(&s, &verify::input::<f32>(SEED, 0xF000_0002, ctx.rank, n))?;
-    let mut dout = poisoned::<f32>(&s, n)?;
-    s.synchronize().map_err(e("sync"))?;
-    let t = Instant::now();
-    let r = arx
-        .allreduce(&din, &mut dout, &s)
-        .and_then(|()| arx.check());
-    let took = t.elapsed();
-    let msg = match &r {
-        Ok(()) => "no error".to_string(),
-        Err(x) => x.to_string(),
-    };
-    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= timeout / 2 {
-        return Err(format!(
-            "total-length mismatch not reported as CallMismatch within {:?} (after {took:.2?}): {msg}",
-            timeout / 2
-        ));
-    }
-    ctx.say(format!(
-        "rank 0 failed in {:.1} ms and says: {msg}",
-        took.as_secs_f64() * 1e3
-    ));
+    let what = "total-length mismatch";
+    let (_, din, mut dout) = expect_mismatch::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        what,
+        0xF000_0002,
+        n,
+        timeout / 2,
+        |a, i, o| a.allreduce(i, o, &s),
+    )?;
     if arx.allreduce(&din, &mut dout, &s).is_ok() {
         return Err("a failed instance accepted another call".into());
     }

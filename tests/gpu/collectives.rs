@@ -269,17 +269,10 @@ pub(super) fn collectives_graph(ctx: &Ctx, st: Staging) -> R {
     let mut out1 = poisoned::<f32>(&s, n1)?;
     let mut in2 = poisoned::<bf16>(&s, n2)?;
     let mut out2 = poisoned::<bf16>(&s, ctx.n * n2)?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx
-        .reduce_scatter(&in1, &mut out1, &s)
-        .and_then(|()| arx.all_gather(&in2, &mut out2, &s));
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("collectives under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(&s, "collectives under capture", || {
+        arx.reduce_scatter(&in1, &mut out1, &s)
+            .and_then(|()| arx.all_gather(&in2, &mut out2, &s))
+    })?;
     for i in 0..replays as u64 {
         let (x1, w1) = rs_data::<f32>(ctx, Op::Sum, 0x5D00_0000 + 2 * i, n1);
         let (x2, w2) = ag_data::<bf16>(ctx, 0x5D00_0001 + 2 * i, n2);
@@ -399,29 +392,17 @@ pub(super) fn algo_mismatch(ctx: &Ctx, st: Staging) -> R {
         Algo::TwoShot
     };
     let (mut arx, s) = build_opts(ctx, st, timeout, None, Some(algo))?;
-    let n = 4096;
-    let din = up(&s, &verify::input::<f32>(SEED, 0x7700_0001, ctx.rank, n))?;
-    let mut dout = poisoned::<f32>(&s, n)?;
-    s.synchronize().map_err(e("sync"))?;
-    let t = Instant::now();
-    let r = arx
-        .allreduce(&din, &mut dout, &s)
-        .and_then(|()| arx.check());
-    let took = t.elapsed();
-    let msg = match &r {
-        Ok(()) => "no error".to_string(),
-        Err(x) => x.to_string(),
-    };
-    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= timeout / 2 {
-        return Err(format!(
-            "an algorithm mismatch not reported as CallMismatch within {:?} (after {took:.2?}): {msg}",
-            timeout / 2
-        ));
-    }
-    ctx.say(format!(
-        "rank 0 failed in {:.1} ms and says: {msg}",
-        took.as_secs_f64() * 1e3
-    ));
+    let what = "an algorithm mismatch";
+    expect_mismatch::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        what,
+        0x7700_0001,
+        4096,
+        timeout / 2,
+        |a, i, o| a.allreduce(i, o, &s),
+    )?;
     Ok(())
 }
 
@@ -446,18 +427,11 @@ pub(super) fn twoshot_sustained(ctx: &Ctx, st: Staging) -> R {
         let mut outs: Vec<CudaSlice<bf16>> = (0..CALLS)
             .map(|_| poisoned::<bf16>(&s, count))
             .collect::<R<_>>()?;
-        s.synchronize().map_err(e("sync"))?;
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(e("begin_capture"))?;
-        let r: R = ins
-            .iter()
-            .zip(outs.iter_mut())
-            .try_for_each(|(i, o)| arx.allreduce(i, o, &s).map_err(e("allreduce")));
-        let g = s
-            .end_capture(CUgraphInstantiate_flags(0))
-            .map_err(e("end_capture"))?;
-        r.map_err(|x| format!("under capture: {x}"))?;
-        let g = g.ok_or("empty graph")?;
+        let g = capture(&s, "under capture", || {
+            ins.iter()
+                .zip(outs.iter_mut())
+                .try_for_each(|(i, o)| arx.allreduce(i, o, &s).map_err(e("allreduce")))
+        })?;
         for b in 0..batches {
             for o in outs.iter_mut() {
                 poison_dev(&s, o)?;
@@ -511,19 +485,13 @@ pub(super) fn twoshot_sustained_in_place(ctx: &Ctx, st: Staging) -> R {
     let mut bufs: Vec<CudaSlice<bf16>> = (0..CALLS)
         .map(|_| poisoned::<bf16>(&s, COUNT))
         .collect::<R<_>>()?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r: R = pristine.iter().zip(bufs.iter_mut()).try_for_each(|(p, b)| {
-        s.memcpy_dtod(p, b).map_err(e("memcpy_dtod"))?;
-        arx.allreduce_in_place(b, &s)
-            .map_err(e("allreduce_in_place"))
-    });
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(|x| format!("under capture: {x}"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(&s, "under capture", || {
+        pristine.iter().zip(bufs.iter_mut()).try_for_each(|(p, b)| {
+            s.memcpy_dtod(p, b).map_err(e("memcpy_dtod"))?;
+            arx.allreduce_in_place(b, &s)
+                .map_err(e("allreduce_in_place"))
+        })
+    })?;
     let mut total = 0usize;
     for b in 0..batches {
         for _ in 0..per_batch {
@@ -622,15 +590,9 @@ fn large_of<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
                 ctx.fold(&got);
                 // The same call captured, replayed into a poisoned output.
                 poison_dev(s, &mut dout)?;
-                s.synchronize().map_err(e("sync"))?;
-                s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                    .map_err(e("begin_capture"))?;
-                let r = arx.allreduce_op(&din, &mut dout, op, s);
-                let g = s
-                    .end_capture(CUgraphInstantiate_flags(0))
-                    .map_err(e("end_capture"))?;
-                r.map_err(|x| format!("{}: {x}", what("under capture")))?;
-                let g = g.ok_or("empty graph")?;
+                let g = capture(s, &what("under capture"), || {
+                    arx.allreduce_op(&din, &mut dout, op, s)
+                })?;
                 g.launch().map_err(e("graph launch"))?;
                 let got = down(s, &dout)?;
                 arx.check().map_err(|x| format!("{}: {x}", what("graph")))?;
@@ -839,18 +801,11 @@ pub(super) fn broadcast_graph(ctx: &Ctx, st: Staging) -> R {
     let mut buf2 = poisoned::<bf16>(&s, n2)?;
     let mut in3 = poisoned::<f32>(&s, n3)?;
     let mut out3 = poisoned::<f32>(&s, n3)?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx
-        .broadcast(&in1, &mut out1, r1, &s)
-        .and_then(|()| arx.broadcast_in_place(&mut buf2, 0, &s))
-        .and_then(|()| arx.allreduce(&in3, &mut out3, &s));
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("broadcasts under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(&s, "broadcasts under capture", || {
+        arx.broadcast(&in1, &mut out1, r1, &s)
+            .and_then(|()| arx.broadcast_in_place(&mut buf2, 0, &s))
+            .and_then(|()| arx.allreduce(&in3, &mut out3, &s))
+    })?;
     for i in 0..replays as u64 {
         let c = 0x5F00_0000 + 4 * i;
         let x1 = bcast_input::<f32>(c, ctx.rank, n1);

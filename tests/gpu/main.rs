@@ -92,7 +92,7 @@ use std::time::{Duration, Instant};
 
 use arx::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use arx::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
+    CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use arx::{verify, Arx, DeviceKind, Dtype, Element, Error, Staging};
 use half::{bf16, f16};
@@ -620,6 +620,64 @@ fn compare<T: Element>(what: &str, got: &[T], want: &[T]) -> R {
         verify::value_of(&want[i]),
         bytemuck::bytes_of(&want[i])
     ))
+}
+
+/// Captures into a graph what `calls` enqueues on `s`, the stream
+/// synchronized first (the set-up every graph case shares); `what` names
+/// the calls in an error.
+fn capture<E: std::fmt::Display>(
+    s: &Arc<CudaStream>,
+    what: &str,
+    calls: impl FnOnce() -> Result<(), E>,
+) -> R<CudaGraph> {
+    s.synchronize().map_err(e("sync"))?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e("begin_capture"))?;
+    let r = calls();
+    let g = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(e("end_capture"))?;
+    r.map_err(|x| format!("{what}: {x}"))?;
+    g.ok_or_else(|| "empty graph".into())
+}
+
+/// The set-up and verdict every mismatch case shares: this rank's input
+/// of `n` elements for call `call` and a poisoned output are uploaded and
+/// the stream synchronized; `f` enqueues the call on them and `check`
+/// waits for it. Err unless it failed with `CallMismatch` within `bound`;
+/// else rank 0 shows the error, and the error's text and the buffers are
+/// returned (for more checks, and a later call that must fail at once).
+#[allow(clippy::too_many_arguments)]
+fn expect_mismatch<T: Element + DeviceRepr + ValidAsZeroBits>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    what: &str,
+    call: u64,
+    n: usize,
+    bound: Duration,
+    f: impl FnOnce(&mut Arx, &CudaSlice<T>, &mut CudaSlice<T>) -> arx::Result<()>,
+) -> R<(String, CudaSlice<T>, CudaSlice<T>)> {
+    let din = up(s, &verify::input::<T>(SEED, call, ctx.rank, n))?;
+    let mut dout = poisoned::<T>(s, n)?;
+    s.synchronize().map_err(e("sync"))?;
+    let t = Instant::now();
+    let r = f(arx, &din, &mut dout).and_then(|()| arx.check());
+    let took = t.elapsed();
+    let msg = match &r {
+        Ok(()) => "no error".to_string(),
+        Err(x) => x.to_string(),
+    };
+    if !matches!(&r, Err(Error::CallMismatch { .. })) || took >= bound {
+        return Err(format!(
+            "{what} not reported as CallMismatch within {bound:?} (after {took:.2?}): {msg}"
+        ));
+    }
+    ctx.say(format!(
+        "rank 0 failed in {:.1} ms and says: {msg}",
+        took.as_secs_f64() * 1e3
+    ));
+    Ok((msg, din, dout))
 }
 
 /// Rank `r`'s input for call `c` and every rank's expected sum.

@@ -156,17 +156,10 @@ fn graph_op<T: Element + DeviceRepr + ValidAsZeroBits + Default>(
     let mut in1 = poisoned::<T>(s, n1)?;
     let mut out1 = poisoned::<T>(s, n1)?;
     let mut buf2 = poisoned::<T>(s, n2)?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx
-        .allreduce_op(&in1, &mut out1, op, s)
-        .and_then(|()| arx.allreduce_in_place_op(&mut buf2, op, s));
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("allreduce_op under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(s, "allreduce_op under capture", || {
+        arx.allreduce_op(&in1, &mut out1, op, s)
+            .and_then(|()| arx.allreduce_in_place_op(&mut buf2, op, s))
+    })?;
     let base = 0x0F00_0000 | u64::from(op.code()) << 20 | u64::from(T::DTYPE.code()) << 16;
     for i in 0..replays {
         let (x1, w1) = op_data::<T>(ctx, op, base + 2 * i, n1);
@@ -198,28 +191,20 @@ pub(super) fn ops_mismatch(ctx: &Ctx, st: Staging) -> R {
     let timeout = Duration::from_secs(4);
     let (mut arx, s) = build_small(ctx, st, timeout)?;
     let op = if ctx.rank == 0 { Op::Max } else { Op::Sum };
-    let din = up(&s, &verify::input::<f32>(SEED, 0x0F_F001, ctx.rank, 64))?;
-    let mut dout = poisoned::<f32>(&s, 64)?;
-    s.synchronize().map_err(e("sync"))?;
-    let t = Instant::now();
-    let r = arx
-        .allreduce_op(&din, &mut dout, op, &s)
-        .and_then(|()| arx.check());
-    let took = t.elapsed();
-    let msg = match &r {
-        Ok(()) => "no error".to_string(),
-        Err(x) => x.to_string(),
-    };
-    if !matches!(&r, Err(Error::CallMismatch { .. }))
-        || !msg.contains("max of 64")
-        || !msg.contains("sum of 64")
-        || took >= timeout / 2
-    {
+    let (msg, _, _) = expect_mismatch::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        "op mismatch",
+        0x0F_F001,
+        64,
+        timeout / 2,
+        |a, i, o| a.allreduce_op(i, o, op, &s),
+    )?;
+    if !msg.contains("max of 64") || !msg.contains("sum of 64") {
         return Err(format!(
-            "op mismatch not reported as CallMismatch naming both ops within {:?} (after {took:.2?}): {msg}",
-            timeout / 2
+            "op mismatch: the error does not name both ops: {msg}"
         ));
     }
-    ctx.say(format!("rank 0 says: {msg}"));
     Ok(())
 }

@@ -124,15 +124,9 @@ pub(super) fn graph_and_eager(ctx: &Ctx, st: Staging) -> R {
     let n = 1 << 17;
     let mut gin = poisoned::<f32>(&a, n)?;
     let mut gout = poisoned::<f32>(&a, n)?;
-    a.synchronize().map_err(e("sync"))?;
-    a.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx.allreduce(&gin, &mut gout, &a);
-    let g = a
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("allreduce under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(&a, "allreduce under capture", || {
+        arx.allreduce(&gin, &mut gout, &a)
+    })?;
     for i in 0..8u64 {
         let (xg, wg) = call_data::<f32>(ctx, 200 + 2 * i, n);
         let (xe, we) = call_data::<f32>(ctx, 201 + 2 * i, n);
@@ -164,22 +158,14 @@ pub(super) fn parallel_branches(ctx: &Ctx, st: Staging) -> R {
     let mut in2 = poisoned::<f32>(&a, n)?;
     let mut out1 = poisoned::<f32>(&a, n)?;
     let mut out2 = poisoned::<f32>(&a, n)?;
-    a.synchronize().map_err(e("sync"))?;
-    a.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let captured = (|| {
+    let g = capture(&a, "under capture", || {
         let b = a.fork().map_err(e("fork"))?;
         arx.allreduce(&in1, &mut out1, &a)
             .map_err(e("allreduce 1"))?;
         arx.allreduce(&in2, &mut out2, &b)
             .map_err(e("allreduce 2"))?;
         a.join(&b).map_err(e("join"))
-    })();
-    let g = a
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    captured?;
-    let g = g.ok_or("empty graph")?;
+    })?;
     for i in 0..6u64 {
         let (x1, w1) = call_data::<f32>(ctx, 300 + 2 * i, n);
         let (x2, w2) = call_data::<f32>(ctx, 301 + 2 * i, n);
@@ -286,15 +272,9 @@ pub(super) fn replay_after_drop(ctx: &Ctx, st: Staging) -> R {
     let (x, w) = call_data::<bf16>(ctx, 600, n);
     let din = up(&s, &x)?;
     let mut dout = poisoned::<bf16>(&s, n)?;
-    s.synchronize().map_err(e("sync"))?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(e("begin_capture"))?;
-    let r = arx.allreduce(&din, &mut dout, &s);
-    let g = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(e("end_capture"))?;
-    r.map_err(e("allreduce under capture"))?;
-    let g = g.ok_or("empty graph")?;
+    let g = capture(&s, "allreduce under capture", || {
+        arx.allreduce(&din, &mut dout, &s)
+    })?;
     g.launch().map_err(e("graph launch"))?;
     compare("replay before drop", &down(&s, &dout)?, &w)?;
     arx.check().map_err(e("check"))?;
