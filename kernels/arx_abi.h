@@ -92,7 +92,11 @@ typedef unsigned int uint32_t;
  * which uses whole slots, finds them free by the rule of any two calls.
  * (A two-shot chunk is two calls, j = 2k and 2k + 1, both in half k & 1;
  * the next chunk's reduce-scatter step is published once the gather
- * step's flags are there, before the copy out of the gathered shards.) */
+ * step's flags are there, before the copy out of the gathered shards.)
+ * The next chunk is also staged (written into this rank's send slot) only
+ * once every flag of chunk j is there: chunk j + 1's place may be the
+ * place of the call before the call's first chunk, which this rank's
+ * proxy may still be sending until every peer has published chunk j. */
 #define ARX_FLAG_SEQ_SHIFT 32u
 #define ARX_FLAG_DTYPE_SHIFT 28u
 #define ARX_FLAG_DTYPE_MASK 0x3u
