@@ -245,6 +245,7 @@ pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
     /// Rounds an f32 to this type (round to nearest even).
     fn from_f32(v: f32) -> Self;
     /// Widens `src` (raw bytes of `dst.len()` elements) into `dst`.
+    #[inline(always)]
     fn widen(src: &[u8], dst: &mut [f32]) {
         for (d, e) in dst
             .iter_mut()
@@ -254,6 +255,7 @@ pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
         }
     }
     /// Rounds `src` into `dst`.
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = Self::from_f32(*s);
@@ -324,6 +326,9 @@ impl Element for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_bits(f32_to_bf16_bits(v))
     }
+    // Inline, so that they vectorise with the reduction's features
+    // (`reduce_avx2`), not the baseline's.
+    #[inline(always)]
     fn widen(src: &[u8], dst: &mut [f32]) {
         match bytemuck::try_cast_slice::<u8, u16>(src) {
             Ok(h) => {
@@ -338,6 +343,7 @@ impl Element for bf16 {
             }
         }
     }
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = bf16::from_bits(f32_to_bf16_bits(*s));
