@@ -961,17 +961,19 @@ mod tests {
     }
 
     /// f32 patterns whose rounding to bf16 or f16 is hard: every sign,
-    /// exponent and top mantissa bits, each with low halves that put a
-    /// rounding boundary (exactly half an ulp, just above, just below, odd
-    /// and even kept parts) at every bit position f16's subnormals and
-    /// normals and bf16 round at; then random patterns.
+    /// exponent and top mantissa bits (the high half), each with low
+    /// halves that put a rounding boundary (exactly half an ulp, just
+    /// above, just below, odd and even kept parts) at every bit position
+    /// of the low half that f16's normals (bit 12) and subnormals (13 to
+    /// 15; higher ones lie in the high half) and bf16 (15) round at; then
+    /// random patterns.
     fn hard_f32_patterns() -> Vec<u32> {
-        let mut lows: Vec<u32> = (0..16)
+        let mut lows: Vec<u32> = (11..16)
             .flat_map(|k| {
                 let b = 1u32 << k;
                 [b, b - 1, b + 1, 3 * b, 3 * b + 1]
             })
-            .chain([0, 0xffff])
+            .chain([0, 1, 0xffff])
             .map(|l| l & 0xffff)
             .collect();
         lows.sort_unstable();
@@ -1086,13 +1088,13 @@ mod tests {
     /// The reduction, on every conversion path, equals the independent
     /// reference (`verify::reference_op`: its own decoding, rank-order
     /// f32 arithmetic and rounding) bit for bit on [`hard_inputs`], for
-    /// every op and 1 to 4 ranks; a NaN result is a NaN (sum: payload
+    /// every op and 1 to 3 ranks; a NaN result is a NaN (sum: payload
     /// unspecified; max, min, avg: canonical). One rank's sum is the
     /// conversion there and back: its NaN keeps its payload, made quiet.
     #[test]
     fn reduce_matches_the_reference_on_every_pattern() {
         fn check<T: Element>() {
-            for world in 1..=4 {
+            for world in 1..=3 {
                 let inputs: Vec<Vec<T>> = (0..world).map(hard_inputs::<T>).collect();
                 let bytes: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
                 let n = inputs[0].len();
