@@ -241,6 +241,7 @@ pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
     /// Rounds an f32 to this type (round to nearest even).
     fn from_f32(v: f32) -> Self;
     /// Widens `src` (raw bytes of `dst.len()` elements) into `dst`.
+    #[inline(always)]
     fn widen(src: &[u8], dst: &mut [f32]) {
         for (d, e) in dst
             .iter_mut()
@@ -250,6 +251,7 @@ pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
         }
     }
     /// Rounds `src` into `dst`.
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = Self::from_f32(*s);
@@ -257,8 +259,11 @@ pub trait Element: sealed::Sealed + bytemuck::Pod + Send + Sync + 'static {
     }
 }
 
-/// Slice conversions through `half`'s vectorised paths (F16C, NEON fp16)
-/// when the bytes are aligned, which received slots always are.
+/// Slice conversions through `half`'s vectorised paths (F16C on x86-64,
+/// NEON on aarch64), which run the same instruction, or the same fallback
+/// code, as `half`'s one-element conversions: the same bits (checked over
+/// every f16 pattern and the f32 patterns of the tests). The reduction's
+/// blocks are f32-aligned, so the unaligned branch serves other callers.
 macro_rules! half_slices {
     () => {
         fn widen(src: &[u8], dst: &mut [f32]) {
@@ -279,26 +284,34 @@ macro_rules! half_slices {
     };
 }
 
-/// bf16 → f32 is exact: the bits move up by 16 (a NaN is made quiet, as
-/// `half` does).
+/// bf16 → f32 is exact: the bits move up by 16; a signalling NaN is made
+/// quiet (as `half` and the kernel's `bf16_to_f32` do). A select rather
+/// than a branch, so that slice loops vectorise.
 #[inline(always)]
 fn bf16_bits_to_f32(b: u16) -> f32 {
-    let b = if b & 0x7fff > 0x7f80 { b | 0x0040 } else { b };
-    f32::from_bits(u32::from(b) << 16)
+    let quiet = if b & 0x7fff > 0x7f80 { 0x0040 } else { 0 };
+    f32::from_bits(u32::from(b | quiet) << 16)
 }
 
-/// f32 → bf16, round to nearest even, NaN kept quiet: the same bits as
-/// `half::bf16::from_f32` (checked over many patterns in the tests), written
-/// branch-light so the compiler vectorises the slice loops (`half`'s bf16
-/// slice conversion is a scalar call per element).
+/// f32 → bf16, round to nearest even, overflow to ±Inf, a NaN made quiet
+/// with its sign and top payload kept: the bits of `half::bf16::from_f32`
+/// and of the kernel's `f32_to_bf16`. Adding 0x7fff plus the kept part's
+/// lowest bit carries into bit 16 exactly when the dropped half is above
+/// the halfway point, or at it with an odd kept part (ties to even); the
+/// largest finite values carry into the exponent and give Inf. Both
+/// results are computed and one selected, without a branch, so that slice
+/// loops vectorise (`half`'s bf16 slice conversion is a scalar call per
+/// element).
 #[inline(always)]
 fn f32_to_bf16_bits(v: f32) -> u16 {
     let x = v.to_bits();
-    if x & 0x7fff_ffff > 0x7f80_0000 {
-        return ((x >> 16) | 0x0040) as u16;
-    }
-    let round = u32::from((x & 0x8000) != 0 && (x & 0x17fff) != 0);
-    ((x >> 16) + round) as u16
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x0040;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
 }
 
 impl Element for bf16 {
@@ -309,11 +322,24 @@ impl Element for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_bits(f32_to_bf16_bits(v))
     }
+    // Inline, so that they vectorise with the reduction's features
+    // (`reduce_avx2`), not the baseline's.
+    #[inline(always)]
     fn widen(src: &[u8], dst: &mut [f32]) {
-        for (d, e) in dst.iter_mut().zip(src.chunks_exact(2)) {
-            *d = bf16_bits_to_f32(u16::from_le_bytes([e[0], e[1]]));
+        match bytemuck::try_cast_slice::<u8, u16>(src) {
+            Ok(h) => {
+                for (d, &b) in dst.iter_mut().zip(h) {
+                    *d = bf16_bits_to_f32(b);
+                }
+            }
+            Err(_) => {
+                for (d, e) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *d = bf16_bits_to_f32(u16::from_ne_bytes([e[0], e[1]]));
+                }
+            }
         }
     }
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [Self]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = bf16::from_bits(f32_to_bf16_bits(*s));
@@ -356,18 +382,85 @@ impl Element for f32 {
 ///
 /// `op` other than sum combines by [`crate::Op`]'s rule instead of adding
 /// (max, min), or divides the sum once at the end (avg).
+///
+/// On x86-64 CPUs with AVX2 and F16C (detected at run time) the same code
+/// runs compiled for them ([`reduce_avx2`]). The operations and their
+/// order are the same everywhere (IEEE adds and compares per lane, no fused
+/// multiply-add, conversions bit for bit), so the bits are too.
 pub(crate) fn reduce_in_rank_order<T: Element>(
     op: crate::Op,
     world: usize,
     part: impl Fn(usize, usize, &mut [u8]),
     out: &mut [T],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cpu) = f16c::Cpu::detect() {
+        // SAFETY: the CPU has AVX2 and F16C (`cpu` exists), the only
+        // features `reduce_avx2` is compiled for.
+        unsafe { reduce_avx2(cpu, op, world, part, out) };
+        return;
+    }
+    reduce_blocks(Portable, op, world, part, out);
+}
+
+/// [`reduce_blocks`] compiled for AVX2 and F16C: 8 f32 lanes instead of
+/// x86-64's baseline SSE2's 4, and f16 conversions by F16C instructions
+/// inline ([`f16c::Cpu`]).
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn reduce_avx2<T: Element>(
+    cpu: f16c::Cpu,
+    op: crate::Op,
+    world: usize,
+    part: impl Fn(usize, usize, &mut [u8]),
+    out: &mut [T],
+) {
+    reduce_blocks(cpu, op, world, part, out);
+}
+
+/// How a block's elements widen to f32 and narrow back.
+trait Convert: Copy {
+    fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]);
+    fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]);
+}
+
+/// The element type's own slice conversions ([`Element::widen`],
+/// [`Element::narrow`]), for any CPU.
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl Convert for Portable {
+    #[inline(always)]
+    fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]) {
+        T::widen(src, dst);
+    }
+    #[inline(always)]
+    fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]) {
+        T::narrow(src, dst);
+    }
+}
+
+/// The body of [`reduce_in_rank_order`]: each block of `out` is reduced
+/// over every rank before the next, in loops without branches per element
+/// (the op is chosen once per loop), which the compiler vectorises.
+#[inline(always)]
+fn reduce_blocks<T: Element>(
+    conv: impl Convert,
+    op: crate::Op,
+    world: usize,
+    part: impl Fn(usize, usize, &mut [u8]),
+    out: &mut [T],
+) {
+    use crate::Op;
     const BLOCK: usize = 512;
     let size = std::mem::size_of::<T>();
     let mut acc = [0.0f32; BLOCK];
     let mut wide = [0.0f32; BLOCK];
-    // One block of raw partial bytes, f32-aligned so that `half`'s slice
-    // conversions take their vector path.
+    // One block of raw partial bytes, f32-aligned so that the slice
+    // conversions see aligned 16-bit elements.
     let mut raw = [0.0f32; BLOCK];
     for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
         let at = b * BLOCK * size;
@@ -386,30 +479,137 @@ pub(crate) fn reduce_in_rank_order<T: Element>(
             } else {
                 let bytes = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut raw)[..len];
                 part(r, at, bytes);
-                T::widen(bytes, dst);
+                conv.widen::<T>(bytes, dst);
             }
-            if r > 0 && op.adds() {
-                for (a, w) in acc[..n].iter_mut().zip(&wide[..n]) {
-                    *a += *w;
+            let (acc, wide) = (&mut acc[..n], &wide[..n]);
+            match op {
+                Op::Sum | Op::Avg if r > 0 => {
+                    for (a, w) in acc.iter_mut().zip(wide) {
+                        *a += *w;
+                    }
                 }
-            } else if r > 0 {
-                for (a, w) in acc[..n].iter_mut().zip(&wide[..n]) {
-                    *a = op.combine(*a, *w);
+                Op::Max if r > 0 => {
+                    for (a, w) in acc.iter_mut().zip(wide) {
+                        *a = Op::Max.combine(*a, *w);
+                    }
                 }
-            } else if !op.adds() {
-                // Rank 0's value as the first operand; a NaN made canonical
-                // (max/min's rule; as the kernel's start at ∓inf does).
-                for a in &mut acc[..n] {
-                    *a = op.combine(*a, *a);
+                Op::Min if r > 0 => {
+                    for (a, w) in acc.iter_mut().zip(wide) {
+                        *a = Op::Min.combine(*a, *w);
+                    }
+                }
+                Op::Sum | Op::Avg => {}
+                Op::Max | Op::Min => {
+                    // Rank 0's value as the first operand; a NaN made
+                    // canonical (max/min's rule; as the kernel's start at
+                    // ∓inf does).
+                    for a in acc.iter_mut() {
+                        *a = op.combine(*a, *a);
+                    }
                 }
             }
         }
-        if op == crate::Op::Avg {
+        if op == Op::Avg {
             for a in &mut acc[..n] {
                 *a = op.finish(*a, world);
             }
         }
-        T::narrow(&acc[..n], chunk);
+        conv.narrow(&acc[..n], chunk);
+    }
+}
+
+/// f16 conversions by F16C instructions, 8 elements each, inline in
+/// [`reduce_avx2`]. `half`'s slice conversions run the same instructions
+/// (so give the same bits) but through a call per 8 elements, which cannot
+/// be inlined into code not compiled for F16C, as arx's baseline is not.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::{
+        __m128i, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
+        _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    };
+
+    use super::{Convert, Dtype, Element};
+
+    /// Proof that the CPU has AVX2 and F16C: only [`Cpu::detect`] makes one.
+    #[derive(Clone, Copy)]
+    pub(super) struct Cpu(());
+
+    impl Cpu {
+        pub(super) fn detect() -> Option<Cpu> {
+            let yes = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("f16c");
+            yes.then_some(Cpu(()))
+        }
+    }
+
+    /// 8 f16 (16 bytes, any alignment) widened into `d`.
+    #[inline(always)]
+    fn widen8(_: Cpu, h: &[u8; 16], d: &mut [f32; 8]) {
+        // SAFETY: the CPU has F16C and AVX (a `Cpu` exists); the unaligned
+        // load reads `h`'s 16 bytes, the store writes `d`'s 32.
+        unsafe {
+            let v = _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast::<__m128i>()));
+            _mm256_storeu_ps(d.as_mut_ptr(), v);
+        }
+    }
+
+    /// 8 f32 rounded to f16 into `d`, to nearest even (the immediate's
+    /// rounding, not MXCSR's).
+    #[inline(always)]
+    fn narrow8(_: Cpu, f: &[f32; 8], d: &mut [u16; 8]) {
+        // SAFETY: the CPU has F16C and AVX (a `Cpu` exists); the unaligned
+        // load reads `f`'s 32 bytes, the store writes `d`'s 16.
+        unsafe {
+            let v = _mm256_cvtps_ph(_mm256_loadu_ps(f.as_ptr()), _MM_FROUND_TO_NEAREST_INT);
+            _mm_storeu_si128(d.as_mut_ptr().cast::<__m128i>(), v);
+        }
+    }
+
+    impl Convert for Cpu {
+        #[inline(always)]
+        fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]) {
+            if T::DTYPE != Dtype::F16 {
+                return T::widen(src, dst);
+            }
+            let mut s = src.chunks_exact(16);
+            let mut d = dst.chunks_exact_mut(8);
+            for (s, d) in (&mut s).zip(&mut d) {
+                if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
+                    widen8(self, s, d);
+                }
+            }
+            let (s, d) = (s.remainder(), d.into_remainder());
+            if !d.is_empty() {
+                let (mut h, mut f) = ([0u8; 16], [0.0f32; 8]);
+                h[..s.len()].copy_from_slice(s);
+                widen8(self, &h, &mut f);
+                d.copy_from_slice(&f[..d.len()]);
+            }
+        }
+
+        #[inline(always)]
+        fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]) {
+            if T::DTYPE != Dtype::F16 {
+                return T::narrow(src, dst);
+            }
+            // Sealed: only `half::f16` has this dtype, 2 bytes.
+            let dst: &mut [u16] = bytemuck::cast_slice_mut(dst);
+            let mut s = src.chunks_exact(8);
+            let mut d = dst.chunks_exact_mut(8);
+            for (s, d) in (&mut s).zip(&mut d) {
+                if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
+                    narrow8(self, s, d);
+                }
+            }
+            let (s, d) = (s.remainder(), d.into_remainder());
+            if !d.is_empty() {
+                let (mut f, mut h) = ([0.0f32; 8], [0u16; 8]);
+                f[..s.len()].copy_from_slice(s);
+                narrow8(self, &f, &mut h);
+                d.copy_from_slice(&h[..d.len()]);
+            }
+        }
     }
 }
 
@@ -667,6 +867,317 @@ mod tests {
         for p in patterns {
             let v = f32::from_bits(p);
             assert_eq!(f32_to_bf16_bits(v), bf16::from_f32(v).to_bits(), "{p:#x}");
+        }
+    }
+
+    /// The conversions under test, by name: `half`'s one-element ones as
+    /// arx uses them, and the slice paths the reduction runs (portable,
+    /// unaligned, and F16C where the CPU has it).
+    fn widen_paths<T: Element>(src: &[u16]) -> Vec<(&'static str, Vec<f32>)> {
+        let bytes: &[u8] = bytemuck::cast_slice(src);
+        let run = |f: &dyn Fn(&[u8], &mut [f32])| {
+            let mut d = vec![f32::from_bits(0x7fbf_ffff); src.len()];
+            f(bytes, &mut d);
+            d
+        };
+        let mut odd = vec![0u8; bytes.len() + 1];
+        odd[1..].copy_from_slice(bytes);
+        let mut paths = vec![
+            (
+                "to_f32",
+                run(&|b, d| {
+                    for (d, e) in d.iter_mut().zip(b.chunks_exact(2)) {
+                        *d = bytemuck::pod_read_unaligned::<T>(e).to_f32();
+                    }
+                }),
+            ),
+            ("portable", run(&|b, d| Portable.widen::<T>(b, d))),
+            ("portable unaligned", run(&|_, d| T::widen(&odd[1..], d))),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = f16c::Cpu::detect() {
+            paths.push(("avx2+f16c", run(&|b, d| cpu.widen::<T>(b, d))));
+        }
+        paths
+    }
+
+    fn narrow_paths<T: Element>(src: &[f32]) -> Vec<(&'static str, Vec<u16>)> {
+        let run = |f: &dyn Fn(&[f32], &mut [T])| {
+            let mut d = vec![T::from_f32(0.0); src.len()];
+            crate::verify::poison(&mut d);
+            f(src, &mut d);
+            bytemuck::cast_slice::<T, u16>(&d).to_vec()
+        };
+        let mut paths = vec![
+            (
+                "from_f32",
+                run(&|s, d| {
+                    for (d, s) in d.iter_mut().zip(s) {
+                        *d = T::from_f32(*s);
+                    }
+                }),
+            ),
+            ("portable", run(&|s, d| Portable.narrow(s, d))),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        if let Some(cpu) = f16c::Cpu::detect() {
+            paths.push(("avx2+f16c", run(&|s, d| cpu.narrow(s, d))));
+        }
+        paths
+    }
+
+    /// Independent per-element widening: a value by `verify`'s own
+    /// decoding; a NaN by the rule written out (quiet bit set, sign and
+    /// payload kept).
+    fn ref_widen<T: Element>(h: u16) -> u32 {
+        let nan = match T::DTYPE {
+            Dtype::Bf16 => (h & 0x7fff > 0x7f80).then(|| u32::from(h | 0x0040) << 16),
+            _ => (h & 0x7fff > 0x7c00).then(|| {
+                (u32::from(h & 0x8000) << 16) | 0x7fc0_0000 | (u32::from(h & 0x03ff) << 13)
+            }),
+        };
+        let v: T = bytemuck::pod_read_unaligned(&h.to_ne_bytes());
+        nan.unwrap_or_else(|| crate::verify::value_of(&v).to_bits())
+    }
+
+    /// Independent per-element rounding: a value by `verify`'s own
+    /// rounding (in f64: to nearest, ties to even, overflow to Inf); a NaN
+    /// made quiet with its sign and top payload bits kept.
+    fn ref_narrow<T: Element>(x: u32) -> u16 {
+        let v = f32::from_bits(x);
+        if !v.is_nan() {
+            let r: T = crate::verify::round_to(v);
+            return bytemuck::cast_slice::<T, u16>(std::slice::from_ref(&r))[0];
+        }
+        let top = (x >> 16) as u16;
+        match T::DTYPE {
+            Dtype::Bf16 => top | 0x0040,
+            _ => (top & 0x8000) | 0x7e00 | ((x >> 13) & 0x03ff) as u16,
+        }
+    }
+
+    /// f32 patterns whose rounding to bf16 or f16 is hard: every sign,
+    /// exponent and top mantissa bits (the high half), each with low
+    /// halves that put a rounding boundary (exactly half an ulp, just
+    /// above, just below, odd and even kept parts) at every bit position
+    /// of the low half that f16's normals (bit 12) and subnormals (13 to
+    /// 15; higher ones lie in the high half) and bf16 (15) round at; then
+    /// random patterns.
+    fn hard_f32_patterns() -> Vec<u32> {
+        let mut lows: Vec<u32> = (11..16)
+            .flat_map(|k| {
+                let b = 1u32 << k;
+                [b, b - 1, b + 1, 3 * b, 3 * b + 1]
+            })
+            .chain([0, 1, 0xffff])
+            .map(|l| l & 0xffff)
+            .collect();
+        lows.sort_unstable();
+        lows.dedup();
+        let mut p: Vec<u32> = (0..=0xffffu32)
+            .flat_map(|hi| lows.iter().map(move |lo| (hi << 16) | lo))
+            .collect();
+        let mut x = 0x2545_f491u32;
+        for _ in 0..100_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            p.push(x);
+        }
+        p
+    }
+
+    /// Every bf16 and f16 pattern widens, and the hard f32 patterns
+    /// narrow, to the independent reference's bits on every path (NaN
+    /// payloads included), in slices of every length modulo 8 (the
+    /// vector paths' tails).
+    #[test]
+    fn conversions_match_the_reference_bit_for_bit() {
+        fn check<T: Element>(wide: &[u32]) {
+            let all: Vec<u16> = (0..=u16::MAX).collect();
+            let want: Vec<u32> = all.iter().map(|&h| ref_widen::<T>(h)).collect();
+            // Lengths 1..=19 in turn, so that every tail length is met.
+            let mut at = 0;
+            for len in (1..=19).cycle() {
+                if at >= all.len() {
+                    break;
+                }
+                let r = at..(at + len).min(all.len());
+                for (name, got) in widen_paths::<T>(&all[r.clone()]) {
+                    for (i, g) in r.clone().zip(got) {
+                        assert_eq!(
+                            g.to_bits(),
+                            want[i],
+                            "{:?} {name}: widen {:#06x}",
+                            T::DTYPE,
+                            all[i]
+                        );
+                    }
+                }
+                at = r.end;
+            }
+            let src: Vec<f32> = wide.iter().map(|&x| f32::from_bits(x)).collect();
+            let want: Vec<u16> = wide.iter().map(|&x| ref_narrow::<T>(x)).collect();
+            let mut at = 0;
+            for len in [1usize, 2, 7, 8, 9, 15, 16, 17, 4096, 12345]
+                .into_iter()
+                .cycle()
+            {
+                if at >= src.len() {
+                    break;
+                }
+                let r = at..(at + len).min(src.len());
+                for (name, got) in narrow_paths::<T>(&src[r.clone()]) {
+                    for (i, g) in r.clone().zip(got) {
+                        assert_eq!(
+                            g,
+                            want[i],
+                            "{:?} {name}: narrow {:#010x}",
+                            T::DTYPE,
+                            wide[i]
+                        );
+                    }
+                }
+                at = r.end;
+            }
+        }
+        let wide = hard_f32_patterns();
+        check::<bf16>(&wide);
+        check::<f16>(&wide);
+    }
+
+    /// Inputs on which the reduction's rounding is hard, rank `r`'s of
+    /// `world`: every 16-bit pattern on every rank (paired differently on
+    /// each rank: NaN payloads, ±Inf, −0.0, subnormals, sums that
+    /// overflow), then sums that are exact ties of the dtype (every normal
+    /// value plus half its ulp, the largest finite value's tie included:
+    /// to Inf), with −0.0 on the ranks past the second.
+    fn hard_inputs<T: Element>(r: usize) -> Vec<T> {
+        const MUL: [u32; 4] = [1, 40503, 26693, 1021];
+        let mut bits: Vec<u16> = (0..=0xffffu32)
+            .map(|i| (i.wrapping_mul(MUL[r % 4]).wrapping_add(r as u32 * 7919) & 0xffff) as u16)
+            .collect();
+        let (man, top_exp) = match T::DTYPE {
+            Dtype::Bf16 => (7u32, 254u32),
+            _ => (10, 30),
+        };
+        for e in (man + 2)..=top_exp {
+            for m in [0u32, 1, 2, 3, (1 << man) - 1] {
+                for sign in [0u32, 1] {
+                    let a = (sign << 15) | (e << man) | m;
+                    // Half an ulp of `a`: exponent e - man - 1, as a
+                    // normal of the same dtype (e > man + 1).
+                    let h = (sign << 15) | ((e - man - 1) << man);
+                    bits.push(match r {
+                        0 => a as u16,
+                        1 => h as u16,
+                        _ => 0x8000,
+                    });
+                }
+            }
+        }
+        bits.iter()
+            .map(|b| bytemuck::pod_read_unaligned(&b.to_ne_bytes()))
+            .collect()
+    }
+
+    /// The reduction, on every conversion path, equals the independent
+    /// reference (`verify::reference_op`: its own decoding, rank-order
+    /// f32 arithmetic and rounding) bit for bit on [`hard_inputs`], for
+    /// every op and 1 to 3 ranks; a NaN result is a NaN (sum: payload
+    /// unspecified; max, min, avg: canonical). One rank's sum is the
+    /// conversion there and back: its NaN keeps its payload, made quiet.
+    #[test]
+    fn reduce_matches_the_reference_on_every_pattern() {
+        fn check<T: Element>() {
+            for world in 1..=3 {
+                let inputs: Vec<Vec<T>> = (0..world).map(hard_inputs::<T>).collect();
+                let bytes: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+                let n = inputs[0].len();
+                for op in crate::Op::ALL {
+                    let want = crate::verify::reference_op(op, &inputs);
+                    let mut paths: Vec<(&str, Vec<T>)> = Vec::new();
+                    let mut out = vec![T::from_f32(0.0); n];
+                    crate::verify::poison(&mut out);
+                    reduce_blocks(Portable, op, world, from_slices(&bytes), &mut out);
+                    paths.push(("portable", out.clone()));
+                    crate::verify::poison(&mut out);
+                    reduce_in_rank_order(op, world, from_slices(&bytes), &mut out);
+                    paths.push(("dispatched", out.clone()));
+                    for (name, got) in paths {
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            let ins: Vec<u16> = inputs
+                                .iter()
+                                .map(|v| bytemuck::cast_slice::<T, u16>(v)[i])
+                                .collect();
+                            assert_eq!(
+                                crate::verify::count_wrong_op(op, &[*g], &[*w]),
+                                0,
+                                "{:?} {op} {name} over {world} ranks, element {i} of inputs {ins:04x?}: got {:#06x}, want {:#06x}",
+                                T::DTYPE,
+                                bytemuck::cast_slice::<T, u16>(std::slice::from_ref(g))[0],
+                                bytemuck::cast_slice::<T, u16>(std::slice::from_ref(w))[0],
+                            );
+                            if world == 1 && op == crate::Op::Sum {
+                                let one = ref_narrow::<T>(ref_widen::<T>(ins[0]));
+                                let g = bytemuck::cast_slice::<T, u16>(std::slice::from_ref(g))[0];
+                                assert_eq!(
+                                    g,
+                                    one,
+                                    "{:?} {name}: one rank's {:#06x}",
+                                    T::DTYPE,
+                                    ins[0]
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        check::<bf16>();
+        check::<f16>();
+    }
+
+    /// The host-side reduction's speed, ns per output element (`cargo
+    /// test --release --lib reduce_speed -- --ignored --nocapture`): the
+    /// CPU cost of the sum that bf16/f16 calls pay over f32 ones. Prints
+    /// only; speed is not asserted (the machine is shared).
+    #[test]
+    #[ignore]
+    fn reduce_speed() {
+        fn run<T: Element>(world: usize, op: crate::Op, n: usize) {
+            let inputs: Vec<Vec<T>> = (0..world)
+                .map(|r| crate::verify::input::<T>(5, 0, r, n))
+                .collect();
+            let bytes: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+            let mut out = vec![T::from_f32(0.0); n];
+            let part = from_slices(&bytes);
+            for _ in 0..3 {
+                reduce_in_rank_order(op, world, &part, &mut out);
+            }
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let reps = 20;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    reduce_in_rank_order(op, world, &part, std::hint::black_box(&mut out));
+                }
+                best = best.min(t.elapsed().as_secs_f64() / (reps * n) as f64);
+            }
+            println!(
+                "reduce_speed {:>8} {op:>3} world {world} n {n:>7}: {:6.3} ns/element",
+                T::DTYPE.name(),
+                best * 1e9
+            );
+        }
+        for n in [4096, 65536, 262144] {
+            for world in [2, 4] {
+                for op in [crate::Op::Sum, crate::Op::Max] {
+                    run::<f32>(world, op, n);
+                    run::<bf16>(world, op, n);
+                    run::<f16>(world, op, n);
+                }
+            }
         }
     }
 

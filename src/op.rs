@@ -72,28 +72,23 @@ impl Op {
         Op::ALL.into_iter().find(|o| o.name() == s)
     }
 
-    /// Whether the op accumulates by addition (sum, avg).
-    pub(crate) fn adds(self) -> bool {
-        matches!(self, Op::Sum | Op::Avg)
-    }
-
     /// `a ∘ b` for max and min (see the type's docs); addition otherwise.
+    ///
+    /// Every outcome is computed and one selected, without a branch, so
+    /// that the host side's loops over a block vectorise.
     #[inline(always)]
     pub(crate) fn combine(self, a: f32, b: f32) -> f32 {
         match self {
             Op::Sum | Op::Avg => a + b,
             Op::Max | Op::Min => {
-                if a.is_nan() || b.is_nan() {
-                    f32::from_bits(CANONICAL_NAN_BITS)
-                } else if a == b {
-                    // Equal: the same bits, or ±0; AND keeps +0, OR −0.
-                    let (x, y) = (a.to_bits(), b.to_bits());
-                    f32::from_bits(if self == Op::Max { x & y } else { x | y })
-                } else if (self == Op::Max) == (a > b) {
-                    a
-                } else {
-                    b
-                }
+                let max = self == Op::Max;
+                let (x, y) = (a.to_bits(), b.to_bits());
+                // Equal: the same bits, or ±0; AND keeps +0, OR −0.
+                let tie = if max { x & y } else { x | y };
+                let pick = if (a > b) == max { x } else { y };
+                let r = if a == b { tie } else { pick };
+                let nan = a.is_nan() | b.is_nan();
+                f32::from_bits(if nan { CANONICAL_NAN_BITS } else { r })
             }
         }
     }
