@@ -432,6 +432,7 @@ fn run(s: &Shared, layout: Layout, cfg: &Config) {
 struct Watchdog {
     after: Duration,
     last_done: u64,
+    last_published: u64,
     since: Instant,
     warned: bool,
 }
@@ -441,9 +442,31 @@ impl Watchdog {
         Watchdog {
             after,
             last_done: 0,
+            last_published: 0,
             since: Instant::now(),
             warned: false,
         }
+    }
+
+    /// The call to warn about, if the device side has made no progress
+    /// for `after`: neither finished a call (`done`) nor published one. A
+    /// pipelined call longer than one slot publishes chunk after chunk and
+    /// stores `done` only at its end, so a long call that moves is not a
+    /// stall (it was reported as one: a 256 MiB call of 512 chunks on a
+    /// loaded machine).
+    fn observe(&mut self, done: u64, published: u64, now: Instant) -> Option<u64> {
+        if done != self.last_done || published != self.last_published || published <= done {
+            self.last_done = done;
+            self.last_published = published;
+            self.since = now;
+            self.warned = false;
+            return None;
+        }
+        if self.warned || now.duration_since(self.since) < self.after {
+            return None;
+        }
+        self.warned = true;
+        Some(done + 1)
     }
 
     fn check(&mut self, s: &Shared, layout: &Layout) {
@@ -452,17 +475,9 @@ impl Watchdog {
         // log line, no data read on their account.
         let done = ctrl.done().load(Ordering::Acquire);
         let published = ctrl.seq().load(Ordering::Acquire);
-        if done != self.last_done || published <= done {
-            self.last_done = done;
-            self.since = Instant::now();
-            self.warned = false;
+        let Some(waiting) = self.observe(done, published, Instant::now()) else {
             return;
-        }
-        if self.warned || self.since.elapsed() < self.after {
-            return;
-        }
-        self.warned = true;
-        let waiting = done + 1;
+        };
         log::warn!(
             "arx watchdog: rank {} has waited {:?} on call {waiting} (posted up to {}); peers' flags: {}",
             layout.rank(),
@@ -615,5 +630,31 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         assert_eq!(protocol::sent_through(&*region), 3);
+    }
+
+    #[test]
+    fn watchdog_warns_on_a_stall_not_on_a_long_call_that_publishes() {
+        let after = Duration::from_millis(100);
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut w = Watchdog::new(after);
+        w.since = t0;
+        // Call 1 published, nothing done: a stall once `after` has passed.
+        assert_eq!(w.observe(0, 1, at(0)), None);
+        assert_eq!(w.observe(0, 1, at(50)), None);
+        assert_eq!(w.observe(0, 1, at(150)), Some(1));
+        // Once per stall.
+        assert_eq!(w.observe(0, 1, at(300)), None);
+        // A pipelined call: chunks published one after another, `done`
+        // only at the end: never a warning while it publishes.
+        for k in 0..20u64 {
+            assert_eq!(w.observe(1, 2 + k, at(400 + 60 * k)), None, "chunk {k}");
+        }
+        // It stops publishing: a stall again.
+        assert_eq!(w.observe(1, 21, at(1600)), None);
+        assert_eq!(w.observe(1, 21, at(1750)), Some(2));
+        // Everything done: idle, no warning however long.
+        assert_eq!(w.observe(21, 21, at(1800)), None);
+        assert_eq!(w.observe(21, 21, at(9000)), None);
     }
 }
