@@ -629,9 +629,9 @@ fn run_host(
                 a.name(),
                 if a == arx::Algo::Auto {
                     format!(
-                        " (host side: two-shot from {} B at 3 ranks or more; here {})",
+                        " (host side: two-shot from {} B at 2 ranks or more; here {})",
                         arx::TWOSHOT_FROM_BYTES,
-                        if n >= 3 { "by size" } else { "one-shot" }
+                        if n >= 2 { "by size" } else { "one-shot" }
                     )
                 } else {
                     String::new()

@@ -59,14 +59,15 @@ pub enum Algo {
 }
 
 /// On the host device side, from this many bytes per call the automatic
-/// choice is two-shot (at 3 ranks or more; at 2 ranks two-shot moves as
-/// many bytes as one-shot in two round trips, so it is never chosen).
-/// Measured with `allreduce_perf -A all` on 16 cores, Host+Shm
-/// (docs/BENCHMARKS.md, "One-shot vs two-shot"): two-shot was faster at
-/// every size from 8 KiB (the smallest measured) to 4 MiB at 3, 4 and 8
-/// ranks in bf16 and float, but for 3 ranks float at 8 KiB (equal, 0.99×)
-/// — the CPU's sum of N partials, which two-shot cuts to one shard,
-/// dominates there. Below 8 KiB is not measured: one-shot's single round
+/// choice is two-shot, at any world size. Measured with `allreduce_perf
+/// -A all` on 16 cores, Host+Shm (docs/BENCHMARKS.md, "One-shot vs
+/// two-shot"): two-shot was faster at every size from 8 KiB (the smallest
+/// measured) to 4 MiB at 3, 4 and 8 ranks in bf16 and float, but for 3
+/// ranks float at 8 KiB (equal, 0.99×), and at 2 ranks in bf16 and half
+/// (1.06-2.1×; float 2 ranks: two-shot from 8 KiB as fast or faster than
+/// one-shot's earlier run) — the CPU's sum of N partials, which two-shot
+/// cuts to one shard, dominates there, also at 2 ranks where both move
+/// the same bytes. Below 8 KiB is not measured: one-shot's single round
 /// trip is kept.
 pub const TWOSHOT_FROM_BYTES: usize = 8 << 10;
 
@@ -85,14 +86,14 @@ impl Algo {
     /// host calls on a GPU instance follow the GPU rule, so that every rank
     /// of an instance decides alike whichever kind of call it makes).
     ///
-    /// Automatic: on the host side two-shot from 3 ranks and
-    /// [`TWOSHOT_FROM_BYTES`]; on the GPU side two-shot from 4 ranks and
+    /// Automatic: on the host side two-shot from
+    /// [`TWOSHOT_FROM_BYTES`] (2 ranks and more); on the GPU side two-shot from 4 ranks and
     /// [`GPU_TWOSHOT_FROM_BYTES`]; otherwise one-shot.
     pub fn choose(self, world: usize, bytes: usize, gpu: bool) -> Algo {
         let two = if gpu {
             world >= 4 && bytes >= GPU_TWOSHOT_FROM_BYTES
         } else {
-            world >= 3 && bytes >= TWOSHOT_FROM_BYTES
+            world >= 2 && bytes >= TWOSHOT_FROM_BYTES
         };
         match self {
             Algo::Auto if two => Algo::TwoShot,

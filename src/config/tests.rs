@@ -247,21 +247,24 @@ fn a_bindings_refusal_is_returned_and_keeps_the_start_up_bound() {
     assert_eq!(Config::init_timeout_or_default(&o), Duration::from_secs(3));
 }
 
-/// The automatic algorithm follows the measured thresholds: never two-shot
-/// at 2 ranks; host side from 3 ranks and TWOSHOT_FROM_BYTES; GPU side from
-/// 4 ranks and GPU_TWOSHOT_FROM_BYTES; a fixed choice is kept.
+/// The automatic algorithm follows the measured thresholds: host side from
+/// TWOSHOT_FROM_BYTES at 2 ranks and more; GPU side from 4 ranks and
+/// GPU_TWOSHOT_FROM_BYTES; never at 1 rank; a fixed choice is kept.
 #[test]
 fn the_automatic_algorithm_follows_the_measured_thresholds() {
     use super::{Algo, GPU_TWOSHOT_FROM_BYTES as G, TWOSHOT_FROM_BYTES as H};
     let a = Algo::Auto;
     for gpu in [false, true] {
-        assert_eq!(a.choose(2, 1 << 30, gpu), Algo::OneShot);
+        assert_eq!(a.choose(1, 1 << 30, gpu), Algo::OneShot);
         assert_eq!(a.choose(16, 0, gpu), Algo::OneShot);
         assert_eq!(Algo::TwoShot.choose(2, 0, gpu), Algo::TwoShot);
         assert_eq!(Algo::OneShot.choose(16, 1 << 30, gpu), Algo::OneShot);
     }
+    assert_eq!(a.choose(2, H - 1, false), Algo::OneShot);
+    assert_eq!(a.choose(2, H, false), Algo::TwoShot);
     assert_eq!(a.choose(3, H - 1, false), Algo::OneShot);
     assert_eq!(a.choose(3, H, false), Algo::TwoShot);
+    assert_eq!(a.choose(2, 1 << 30, true), Algo::OneShot);
     assert_eq!(a.choose(3, 1 << 30, true), Algo::OneShot);
     assert_eq!(a.choose(4, G - 1, true), Algo::OneShot);
     assert_eq!(a.choose(4, G, true), Algo::TwoShot);

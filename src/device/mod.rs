@@ -220,7 +220,7 @@ impl Device {
                         )
                     } else {
                         format!(
-                            " (two-shot from 3 ranks and {} bytes)",
+                            " (two-shot from 2 ranks and {} bytes)",
                             crate::config::TWOSHOT_FROM_BYTES
                         )
                     }
