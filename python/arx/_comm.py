@@ -397,13 +397,10 @@ class Comm:
         its peers, at once, as do ranks that disagree on the root or the
         length. Returns the array holding the result (``x`` in place).
 
-        Every kind of array ``allreduce`` takes, with the same rules: host
-        buffers and CPU torch tensors return when done; CUDA torch tensors,
-        CuPy arrays, ``__cuda_array_interface__`` and DLPack CUDA objects
-        (on a GPU instance and its CUDA device) are enqueued on ``stream``
-        (default: the framework's current stream), return at once and are
-        capturable in ``torch.cuda.graph``. ``out`` must have the input's
-        kind and dtype, and be ``x`` itself or disjoint from it.
+        Every kind of array ``allreduce`` takes (see ``reduce_scatter``:
+        CUDA arrays are enqueued on ``stream``, capturable); ``out`` must
+        have the input's kind and dtype, and be ``x`` itself or disjoint
+        from it.
         """
         c = self._c
         if c is None:
