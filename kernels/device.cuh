@@ -79,6 +79,7 @@ __device__ __forceinline__ u32 atom_or_acq_rel_gpu(u32 *p, u32 v) {
     return old;
 }
 __device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ u64 globaltimer() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -95,7 +95,11 @@ __device__ __forceinline__ void acc_op(u32 op, float *acc, vec4 v) {
  * poller word of the call's parity: state.poller). The poller is a
  * running block, so waiting for it needs no other block to be scheduled;
  * nor does waiting for `own_done`, advanced only by blocks that hold work
- * of this launch (running blocks). */
+ * of this launch (running blocks).
+ *
+ * A one-block grid (oneshot_single) passes `own_done` null: its one block
+ * polls without an election, has staged its own part itself, and tells no
+ * other block (no ready_seq). */
 __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_state_t *st, u64 seq,
                            u64 flag, const u32 *own_done, u32 own_target, u32 *s_poll,
                            u32 *s_status, u32 root = 0xFFFFFFFFu, u64 root_flag = 0) {
@@ -120,12 +124,13 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
      * between its load and its CAS: no poller, every reduce block watching
      * ready_seq until the deadline, all flags in.) */
     u32 *poll_word = &st->poller[par];
-    if (tid == 0) {
+    const bool single = own_done == 0;
+    if (tid == 0 && !single) {
         u32 old = ld_relaxed_gpu_u32(poll_word);
         *s_poll = (old != seq32 && atom_cas_acq_rel_gpu(poll_word, old, seq32) == old);
     }
     __syncthreads();
-    const bool poller = *s_poll != 0;
+    const bool poller = single || *s_poll != 0;
     for (;; round++) {
         u32 ok = 1, bad = 0, stop = 0;
         u32 k = 0;
@@ -162,8 +167,8 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
              * (in place, the output is the input the staging reads).
              * Blocks holding that work are running, so this wait needs no
              * other block scheduled. */
-            if (ld_acquire_gpu_u32(own_done) < own_target) ok = 0;
-            if (ld_acquire_gpu_u32(&st->ready_seq) == seq32) {
+            if (!single && ld_acquire_gpu_u32(own_done) < own_target) ok = 0;
+            if (!single && ld_acquire_gpu_u32(&st->ready_seq) == seq32) {
                 stop = 1; /* another block saw it all complete */
                 *s_status = 0;
             } else if (ld_relaxed_gpu_u32(&st->status) != 0) {
@@ -190,7 +195,7 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
             /* ld.acquire.sys by the pollers, then the barrier:
              * everything the peers wrote before their flags is
              * visible to the whole block. */
-            if (tid == 0) st_release_gpu_u32(&st->ready_seq, seq32);
+            if (tid == 0 && !single) st_release_gpu_u32(&st->ready_seq, seq32);
             break;
         }
         if (any_stop) {
@@ -218,7 +223,7 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
                  * the poller word of this call's parity (low 16 bits
                  * each), whether this block polled. */
                 if (tid == 0) {
-                    const u64 diag = (u64)(ld_acquire_gpu_u32(own_done) & 0xFFFFu) |
+                    const u64 diag = (u64)((single ? 0u : ld_acquire_gpu_u32(own_done)) & 0xFFFFu) |
                                      ((u64)(own_target & 0xFFFFu) << 16) |
                                      ((u64)(ld_acquire_gpu_u32(&st->ready_seq) & 0xFFFFu) << 32) |
                                      ((u64)(ld_relaxed_gpu_u32(poll_word) & 0x7FFFu) << 48) |
@@ -325,10 +330,16 @@ __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32
  * each chunk (`copy` false: the chunks are only counted, the host staged
  * the data), then makes the block's stores visible system-wide and adds
  * its count to `done`. Returns true in the one block whose count completes
- * `done` (uniform across the block): every chunk is staged then, each
- * thread having fenced its stores at system scope before its block counted
- * them, and the acq_rel chain on `done` orders those before whatever that
- * block stores next. */
+ * `done` (uniform across the block): every chunk is staged then, and the
+ * acq_rel chain on `done` orders every block's stores before whatever that
+ * block stores next.
+ *
+ * One system fence per block, by the thread that counts, after the
+ * barrier: PTX release patterns are cumulative, so the fence orders every
+ * store the barrier made visible to that thread (the whole block's), the
+ * way NCCL's Simple protocol posts a step (barrier, then one thread's
+ * fence.acq_rel.sys and flag store). A fence in every thread cost 0.5 us
+ * more per call (scripts/gpu-floor.cu, H200). */
 template <class S>
 __device__ bool stage_all(u32 *next, u32 *done, u32 n, const S *in, S *send, u32 count,
                           u32 per_chunk, u32 unroll, bool vec, bool copy, u32 *s_ticket) {
@@ -340,9 +351,9 @@ __device__ bool stage_all(u32 *next, u32 *done, u32 n, const S *in, S *send, u32
         if (copy) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec);
     }
     if (mine == 0) return false;
-    fence_sc_sys();
     __syncthreads();
     if (threadIdx.x == 0) {
+        fence_acq_rel_sys();
         u32 before = atom_add_acq_rel_gpu(done, mine);
         *s_ticket = before + mine == n;
     }
@@ -360,8 +371,93 @@ __device__ __forceinline__ void gate_arrive(arx_ctrl_t *ctrl, arx_gpu_state_t *s
         publish_call(ctrl, next_seq, next_flag, next_bytes);
 }
 
+/* A call the host launched as one block (up to 8 KB by default) that is
+ * not part of a pipelined call, with SM staging: the same steps and the
+ * same result as oneshot_run, without what exists only to share the work
+ * among blocks -- the tickets, the staging count, the poller election,
+ * ready_seq and the departure count, each an atomic or a fence in device
+ * memory on the call's critical path (0.3-0.6 us each on an H200,
+ * scripts/gpu-floor.cu). The block stages the partial, and one thread
+ * publishes it after the barrier: st.release.sys is cumulative, so it
+ * orders the whole block's staging stores before ctrl.seq (one system
+ * fence per call). */
+template <class T>
+__device__ void oneshot_single(const arx_params_t &p) {
+    typedef typename T::S S;
+    const u32 VE = 16 / sizeof(S);
+    const u32 tid = threadIdx.x;
+    const u32 bd = blockDim.x;
+    unsigned char *region = (unsigned char *)p.region;
+    arx_ctrl_t *ctrl = (arx_ctrl_t *)(region + p.layout.ctrl_off);
+    arx_gpu_state_t *st = (arx_gpu_state_t *)p.state;
+    const u32 world = p.layout.world;
+    const u32 me = p.layout.rank;
+    const u64 slot = p.layout.slot_bytes;
+    const bool valid = p.dtype != ARX_DTYPE_INVALID;
+    const u32 count = valid ? p.count : 0u;
+
+    __shared__ u32 s_slot;
+    __shared__ u32 s_status;
+
+    const u64 seq = st->seq + 1;
+    const u32 par = (u32)(seq & 1);
+    const u32 op = p.op & ARX_FLAG_OP_MASK;
+    const u64 flag = make_flag(seq, op, p.dtype, p.count, p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
+    const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
+    const S *in = (const S *)p.input;
+    S *out = (S *)p.output;
+    S *send = (S *)(region + p.layout.send_off + par * slot + base);
+    const bool vec = ((p.input | p.output) & 15ull) == 0;
+    const u32 unit = vec ? VE : 1u;
+    const u32 nunits = (count + unit - 1) / unit;
+    const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
+    const u32 per_chunk = bd * unroll;
+    const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
+
+    bool failed = block_status(st, &s_slot) != 0;
+    if (!failed) {
+        for (u32 c = 0; c < nchunks; c++) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec);
+        __syncthreads();
+        if (tid == 0) publish_call(ctrl, seq, flag, (u64)count * sizeof(S));
+        failed = wait_peers(p, ctrl, st, seq, flag, (const u32 *)0, 0, &s_slot, &s_status);
+    }
+    if (!failed && p.sum_delay_ns != 0) {
+        /* Test hook (arx_params_t.sum_delay_ns). */
+        if (tid == 0) {
+            const u64 t0 = globaltimer();
+            while (globaltimer() - t0 < p.sum_delay_ns) {
+            }
+        }
+        __syncthreads();
+    }
+    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
+    for (u32 u = tid; !failed && u < nunits; u += bd) {
+        u32 e0 = u * unit;
+        u32 n = e0 + unit < count ? unit : count - e0;
+        reduce_span<T>(op, world, me, in + e0, recv, slot, (u64)e0 * sizeof(S), out + e0, (S *)0, n,
+                       vec && n == VE);
+    }
+
+    /* leave: the grid's status is this block's (arx_fail records it) */
+    const u32 status = block_status(st, &s_slot);
+    if (status != 0) {
+        for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
+    }
+    if (tid == 0) {
+        /* The tickets were not touched; the next launch reads seq after
+         * this kernel ends (stream order). */
+        st->seq = seq;
+        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
+    }
+}
+
 template <class T>
 __device__ void oneshot_run(const arx_params_t &p) {
+    if (gridDim.x == 1 && p.sm_staging &&
+        !(p.dtype != ARX_DTYPE_INVALID && (p.prestaged != 0 || p.next_count != 0))) {
+        oneshot_single<T>(p);
+        return;
+    }
     typedef typename T::S S;
     const u32 VE = 16 / sizeof(S); /* elements per 16-byte vector */
     const u32 tid = threadIdx.x;
