@@ -73,6 +73,11 @@ __device__ __forceinline__ u32 atom_cas_acq_rel_gpu(u32 *p, u32 cmp, u32 v) {
                  : "memory");
     return old;
 }
+__device__ __forceinline__ u32 atom_exch_relaxed_gpu(u32 *p, u32 v) {
+    u32 old;
+    asm volatile("atom.relaxed.gpu.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
 __device__ __forceinline__ u32 atom_or_acq_rel_gpu(u32 *p, u32 v) {
     u32 old;
     asm volatile("atom.acq_rel.gpu.global.or.b32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -311,7 +316,8 @@ __device__ __forceinline__ void publish_call(arx_ctrl_t *ctrl, u64 seq, u64 flag
 __device__ __forceinline__ bool depart_last(arx_gpu_state_t *st, u32 *s_slot) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+        /* acq_rel: this block's work before, the last block's after (no
+         * separate fence). */
         *s_slot = atom_add_acq_rel_gpu(&st->depart, 1u);
     }
     __syncthreads();
@@ -359,8 +365,8 @@ __device__ __forceinline__ void close_launch(arx_ctrl_t *ctrl, arx_gpu_state_t *
         st->gate = 0;
         st->depart = 0;
         st->seq = last;
-        __threadfence();
-        /* Informational (watchdog, logs): no ordering needed. */
+        /* No fence: the next launch reads these after this kernel ends
+         * (stream order); ctrl.done is informational (watchdog, logs). */
         if (status == 0) st_relaxed_sys_u64(&ctrl->done, last);
     }
 }

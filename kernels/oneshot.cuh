@@ -126,8 +126,10 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
     u32 *poll_word = &st->poller[par];
     const bool single = own_done == 0;
     if (tid == 0 && !single) {
-        u32 old = ld_relaxed_gpu_u32(poll_word);
-        *s_poll = (old != seq32 && atom_cas_acq_rel_gpu(poll_word, old, seq32) == old);
+        /* The first block to swap seq in finds another value there: one
+         * atomic, no ordering needed (launches of an instance never overlap,
+         * so only this call's blocks swap this word now). */
+        *s_poll = atom_exch_relaxed_gpu(poll_word, seq32) != seq32;
     }
     __syncthreads();
     const bool poller = single || *s_poll != 0;
@@ -183,10 +185,12 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
                 *s_status = ARX_STATUS_TIMEOUT;
             }
         }
-        /* Uniform decisions: every thread leaves in the same round. */
-        int any_bad = __syncthreads_or((int)bad);
-        int all = __syncthreads_and((int)ok);
-        int any_stop = __syncthreads_or((int)stop);
+        /* Uniform decisions: every thread leaves in the same round (one
+         * barrier: bit 0 a mismatch, bit 1 a stop, bit 2 a flag missing). */
+        const int votes = __syncthreads_or((int)(bad | (stop << 1) | ((ok ^ 1u) << 2)));
+        const int any_bad = votes & 1;
+        const int all = (votes & 4) == 0;
+        const int any_stop = votes & 2;
         if (any_bad) {
             failed = true;
             break;
@@ -303,25 +307,102 @@ __device__ __forceinline__ void reduce_span(u32 op, u32 world, u32 me, const typ
     }
 }
 
+/* Reduces `nu` units of this thread, units u0 + j*stride (j < nu; a unit
+ * as in reduce_span), each by reduce_span's rule, with up to four vector
+ * units' loads in flight at once (two ranks' operands each): a thread that
+ * owns several units waits for a few round trips to the (PCIe-distant)
+ * peers' partials, not one per unit. Rank order and one rounding as
+ * reduce_span. */
+template <class T>
+__device__ __forceinline__ void reduce_units(u32 op, u32 world, u32 me, const typename T::S *in,
+                                             const unsigned char *recv, u64 slot,
+                                             typename T::S *out, u32 count, u32 u0, u32 stride,
+                                             u32 nu, bool vec) {
+    typedef typename T::S S;
+    const u32 VE = 16 / sizeof(S);
+    const u32 unit = vec ? VE : 1u;
+    const u32 nunits = (count + unit - 1) / unit;
+    const u32 B = 4;
+    for (u32 j0 = 0; j0 < nu; j0 += B) {
+        u32 e[B];
+        bool mine[B], full[B];
+        float acc[B][8];
+#pragma unroll
+        for (u32 j = 0; j < B; j++) {
+            u32 u = u0 + (j0 + j) * stride;
+            mine[j] = j0 + j < nu && u < nunits;
+            e[j] = mine[j] ? u * unit : 0u;
+            full[j] = mine[j] && vec && e[j] + VE <= count;
+#pragma unroll
+            for (int k = 0; k < 8; k++) acc[j][k] = op_identity(op); /* see reduce_span */
+        }
+        for (u32 r0 = 0; r0 < world; r0 += 2) {
+            vec4 v[B][2];
+#pragma unroll
+            for (u32 j = 0; j < B; j++) {
+#pragma unroll
+                for (u32 i = 0; i < 2; i++) {
+                    u32 r = r0 + i;
+                    if (full[j] && r < world) {
+                        v[j][i] = r == me ? *(const vec4 *)(in + e[j])
+                                          : ld_cv_v4(recv + (u64)r * slot + (u64)e[j] * sizeof(S));
+                    }
+                }
+            }
+#pragma unroll
+            for (u32 j = 0; j < B; j++) {
+#pragma unroll
+                for (u32 i = 0; i < 2; i++)
+                    if (full[j] && r0 + i < world) acc_op<T>(op, acc[j], v[j][i]);
+            }
+        }
+#pragma unroll
+        for (u32 j = 0; j < B; j++) {
+            if (full[j]) {
+#pragma unroll
+                for (int k = 0; k < 8; k++) acc[j][k] = op_finish(op, acc[j][k], world);
+                *(vec4 *)(out + e[j]) = acc_pack<T>(acc[j]);
+            } else if (mine[j]) {
+                u32 n = e[j] + unit < count ? unit : count - e[j];
+                reduce_span<T>(op, world, me, in + e[j], recv, slot, (u64)e[j] * sizeof(S),
+                               out + e[j], (S *)0, n, false);
+            }
+        }
+    }
+}
+
 /* Copies staging chunk c of a `count`-element partial from `in` to `send`:
  * thread tid owns units c*per_chunk + k*bd + tid, k < unroll (a unit is a
- * 16-byte vector when `vec`, else one element). */
+ * 16-byte vector when `vec`, else one element). Four units' loads are
+ * issued before their stores, so a thread has four loads in flight, not
+ * one (a one-block call stages all its units this way). */
 template <class S>
 __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32 c, u32 per_chunk,
                                             u32 unroll, bool vec) {
     const u32 VE = 16 / sizeof(S);
     const u32 unit = vec ? VE : 1u;
     const u32 nunits = (count + unit - 1) / unit;
-    for (u32 k = 0; k < unroll; k++) {
-        u32 u = c * per_chunk + k * blockDim.x + threadIdx.x;
-        if (u >= nunits) break;
-        u32 e0 = u * unit;
-        if (vec && e0 + VE <= count) {
-            vec4 v = *(const vec4 *)(in + e0);
-            *(vec4 *)(send + e0) = v;
-        } else {
-            u32 e1 = e0 + unit < count ? e0 + unit : count;
-            for (u32 e = e0; e < e1; e++) send[e] = in[e];
+    const u32 B = 4;
+    for (u32 k0 = 0; k0 < unroll; k0 += B) {
+        vec4 v[B];
+        u32 e[B];
+        bool full[B];
+#pragma unroll
+        for (u32 j = 0; j < B; j++) {
+            u32 u = c * per_chunk + (k0 + j) * blockDim.x + threadIdx.x;
+            bool mine = k0 + j < unroll && u < nunits;
+            e[j] = mine ? u * unit : count;
+            full[j] = mine && vec && e[j] + VE <= count;
+            if (full[j]) v[j] = *(const vec4 *)(in + e[j]);
+        }
+#pragma unroll
+        for (u32 j = 0; j < B; j++) {
+            if (full[j]) {
+                *(vec4 *)(send + e[j]) = v[j];
+            } else {
+                u32 e1 = e[j] + unit < count ? e[j] + unit : count;
+                for (u32 x = e[j]; x < e1; x++) send[x] = in[x];
+            }
         }
     }
 }
@@ -342,10 +423,13 @@ __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32
  * more per call (scripts/gpu-floor.cu, H200). */
 template <class S>
 __device__ bool stage_all(u32 *next, u32 *done, u32 n, const S *in, S *send, u32 count,
-                          u32 per_chunk, u32 unroll, bool vec, bool copy, u32 *s_ticket) {
+                          u32 per_chunk, u32 unroll, bool vec, bool copy, u32 *s_ticket,
+                          u32 first = 0xFFFFFFFFu) {
     u32 mine = 0;
     for (;;) {
-        u32 c = block_ticket(next, s_ticket);
+        /* `first`: a ticket of `next` the caller already took (uniform). */
+        u32 c = first != 0xFFFFFFFFu ? first : block_ticket(next, s_ticket);
+        first = 0xFFFFFFFFu;
         if (c >= n) break;
         mine++;
         if (copy) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec);
@@ -431,12 +515,9 @@ __device__ void oneshot_single(const arx_params_t &p) {
         __syncthreads();
     }
     const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
-    for (u32 u = tid; !failed && u < nunits; u += bd) {
-        u32 e0 = u * unit;
-        u32 n = e0 + unit < count ? unit : count - e0;
-        reduce_span<T>(op, world, me, in + e0, recv, slot, (u64)e0 * sizeof(S), out + e0, (S *)0, n,
-                       vec && n == VE);
-    }
+    if (!failed)
+        reduce_units<T>(op, world, me, in, recv, slot, out, count, tid, bd, (nunits + bd - 1) / bd,
+                        vec);
 
     /* leave: the grid's status is this block's (arx_fail records it) */
     const u32 status = block_status(st, &s_slot);
@@ -521,12 +602,22 @@ __device__ void oneshot_run(const arx_params_t &p) {
         make_flag(seq + 1, op, p.dtype, ncount, p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
     const u64 nbytes = (u64)ncount * sizeof(S);
 
-    bool failed = block_status(st, &s_ticket) != 0;
+    /* The grid's status and the first staging ticket in one round trip (a
+     * ticket taken by a block that then finds the call failed is never
+     * staged: a failed call publishes nothing more). */
+    __syncthreads();
+    if (tid == 0) {
+        s_status = ld_relaxed_gpu_u32(&st->status);
+        s_ticket = nstage > 0 ? atomicAdd(&st->stage_next, 1u) : 0xFFFFFFFFu;
+    }
+    __syncthreads();
+    bool failed = s_status != 0;
+    const u32 first = s_ticket;
 
     /* ---- stage and publish this chunk (unless prestaged) ---- */
     if (!failed && nstage > 0) {
         if (stage_all<S>(&st->stage_next, &st->staged, nstage, in, send, count, per_chunk, unroll,
-                         vec, p.sm_staging && nchunks > 0, &s_ticket) &&
+                         vec, p.sm_staging && nchunks > 0, &s_ticket, first) &&
             tid == 0) {
             publish_call(ctrl, seq, flag, (u64)count * sizeof(S));
             if (ahead) gate_arrive(ctrl, st, ARX_GATE_OWN, seq + 1, nflag, nbytes);
@@ -569,14 +660,8 @@ __device__ void oneshot_run(const arx_params_t &p) {
         }
 
         /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
-        for (u32 k = 0; k < unroll; k++) {
-            u32 u = c * per_chunk + k * bd + tid;
-            if (u >= nunits) break;
-            u32 e0 = u * unit;
-            u32 n = e0 + unit < count ? unit : count - e0;
-            reduce_span<T>(op, world, me, in + e0, recv, slot, (u64)e0 * sizeof(S), out + e0,
-                           (S *)0, n, vec && n == VE);
-        }
+        reduce_units<T>(op, world, me, in, recv, slot, out, count, c * per_chunk + tid, bd, unroll,
+                        vec);
     }
 
     /* ---- leave: the last block out closes the call ---- */
