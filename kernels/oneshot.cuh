@@ -360,6 +360,19 @@ __device__ __forceinline__ void gate_arrive(arx_ctrl_t *ctrl, arx_gpu_state_t *s
         publish_call(ctrl, next_seq, next_flag, next_bytes);
 }
 
+/* Test hook (arx_params_t.sum_delay_ns, 0 otherwise): the block pauses
+ * after a wait, before it sums or copies out, so that a test can make this
+ * rank the slow one. Called by every thread (uniform: a kernel parameter). */
+__device__ __forceinline__ void test_pause(const arx_params_t &p) {
+    if (p.sum_delay_ns == 0) return;
+    if (threadIdx.x == 0) {
+        const u64 t0 = globaltimer();
+        while (globaltimer() - t0 < p.sum_delay_ns) {
+        }
+    }
+    __syncthreads();
+}
+
 template <class T>
 __device__ void oneshot_run(const arx_params_t &p) {
     typedef typename T::S S;
@@ -461,15 +474,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
                     tid == 0)
                     gate_arrive(ctrl, st, ARX_GATE_STAGED, seq + 1, nflag, nbytes);
             }
-            if (p.sum_delay_ns != 0) {
-                /* Test hook (arx_params_t.sum_delay_ns). */
-                if (tid == 0) {
-                    const u64 t0 = globaltimer();
-                    while (globaltimer() - t0 < p.sum_delay_ns) {
-                    }
-                }
-                __syncthreads();
-            }
+            test_pause(p);
         }
 
         /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
