@@ -745,14 +745,13 @@ impl GpuSide {
             Coll::TwoShot => {
                 // Pipelined (SM staging only: copy-engine copies write both
                 // parities' slots at the chunk's half before the kernel, and
-                // would overwrite a slot in flight): launch k
-                // stages and publishes chunk k + 1's reduce-scatter call
-                // once its own gather call's flags are in, before its copy
-                // out -- the last chunk's too, as the host side's
-                // `twoshot::pipelined` does (the call's last call, the last
-                // chunk's gather step, still waits for every earlier
-                // chunk's copy out: kernels/arx_abi.h); launch k + 1 then
-                // finds it published.
+                // would overwrite a slot in flight): launch k stages and
+                // publishes chunk k + 1's reduce-scatter call once its own
+                // gather call's flags are in, before its copy out -- the
+                // last chunk's too, as the host side's `twoshot::pipelined`
+                // does (the call's last call, the last chunk's gather step,
+                // still waits for every earlier chunk's copy out:
+                // kernels/arx_abi.h); launch k + 1 then finds it published.
                 let pipe = self.staging == Staging::Sm;
                 let nexts = chunked::call_chunks(n, per, 2)
                     .skip(1)

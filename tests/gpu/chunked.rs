@@ -405,3 +405,63 @@ fn graphs_two_streams(ctx: &Ctx, st: Staging, algo: arx::Algo, first: u64) -> R 
     ));
     Ok(())
 }
+
+/// Pipelined chunked calls made on the GPU by some ranks and on the host
+/// by the others, alternating per call (one instance, the host calls'
+/// `allreduce_host`), the last rank slow on both sides; one-shot, then
+/// two-shot: both sides publish their chunks in the same order
+/// (kernels/arx_abi.h, "A call longer than one slot"), so a GPU rank and
+/// a host rank take part in one call chunk by chunk.
+pub(super) fn chunked_gpu_and_host(ctx: &Ctx, st: Staging) -> R {
+    let slow = ctx.rank == ctx.n - 1;
+    let rounds: u64 = if ctx.quick { 4 } else { 10 };
+    for (algo, first) in [
+        (arx::Algo::OneShot, 0xC_E000u64),
+        (arx::Algo::TwoShot, 0xC_E100),
+    ] {
+        let (mut arx, s) = with_sum_delay(slow.then(|| Duration::from_micros(300)), || {
+            build_opts(
+                ctx,
+                st,
+                Duration::from_secs(30),
+                Some(SMALL_SLOT),
+                Some(algo),
+            )
+        })?;
+        let m = arx.max_count::<f32>();
+        for k in 0..rounds {
+            let gpu = (ctx.rank as u64 + k) % 2 == 0;
+            // 3 to 7 chunks of m / 2, the last of 1 to 3 elements.
+            let n = m / 2 * (2 + k as usize % 5) + 1 + k as usize % 3;
+            let (x, want) = call_data::<f32>(ctx, first + k, n);
+            let got = if gpu {
+                let din = up(&s, &x)?;
+                let mut dout = poisoned::<f32>(&s, n)?;
+                arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+                down(&s, &dout)?
+            } else {
+                let mut out = vec![0f32; n];
+                verify::poison(&mut out);
+                arx.allreduce_host(&x, &mut out)
+                    .map_err(e("allreduce_host"))?;
+                out
+            };
+            arx.check().map_err(e("check"))?;
+            ctx.fold(&got);
+            compare(
+                &format!(
+                    "{} round {k}: {n} x f32 on the {}",
+                    algo.name(),
+                    if gpu { "GPU" } else { "host" }
+                ),
+                &got,
+                &want,
+            )?;
+        }
+    }
+    ctx.say(format!(
+        "{rounds} chunked calls per algorithm (3..7 chunks), GPU and host ranks alternating, rank {} slow",
+        ctx.n - 1
+    ));
+    Ok(())
+}

@@ -44,7 +44,9 @@
 //! once); pipelined chunked calls (one-shot and two-shot) back to back with
 //! the last rank slowed (`Builder::test_sum_delay`), and captured into
 //! graphs replayed on a second stream between eager calls on the first,
-//! the last rank slowed.
+//! the last rank slowed; pipelined chunked calls made on the GPU by some
+//! ranks and on the host by the others (a GPU rank and a host rank in one
+//! call, chunk by chunk), the last rank slowed.
 //!
 //! Reductions other than sum (`ops.rs`): sum, max, min and avg on every
 //! dtype at 1, 77, 1001 and 2m+3 elements, out of place, in place and
@@ -349,6 +351,10 @@ fn child() -> ExitCode {
         (
             "chunked calls in graphs on a second stream between eager calls on the first, one rank slow: one-shot and two-shot",
             chunked_graphs_two_streams,
+        ),
+        (
+            "pipelined chunked calls, GPU on some ranks and host on others, one rank slow: one-shot and two-shot",
+            chunked_gpu_and_host,
         ),
         (
             "max, min, avg: every dtype, length and placement, eager",
