@@ -91,12 +91,23 @@ typedef unsigned int uint32_t;
  * last chunk still means "every earlier chunk is summed": the next call,
  * which uses whole slots, finds them free by the rule of any two calls.
  * (A two-shot chunk is two calls, j = 2k and 2k + 1, both in half k & 1;
- * the next chunk's reduce-scatter step is published once the gather
- * step's flags are there, before the copy out of the gathered shards.)
- * The next chunk is also staged (written into this rank's send slot) only
- * once every flag of chunk j is there: chunk j + 1's place may be the
- * place of the call before the call's first chunk, which this rank's
- * proxy may still be sending until every peer has published chunk j. */
+ * the next chunk's reduce-scatter step, call 2k + 2, is published once
+ * every peer's flags of the gather step 2k + 1 are there, before the copy
+ * out of the gathered shards: its place was last used by call 2k - 2,
+ * which a peer reduced before it published 2k - 1; its flag overwrites
+ * 2k's, which a peer saw before it published 2k + 1. The gather step
+ * 2k + 3, published after every peer's flag of 2k + 2, overwrites the
+ * place and the flag of 2k - 1, which a peer copied out and saw before it
+ * published 2k + 2 (the copy out of chunk k - 1 came before: in order on
+ * the host side, in the launch before on the GPU side).
+ * The last chunk's reduce-scatter step is published early too, on both
+ * sides: the call's last call, the last chunk's gather step, still comes
+ * only after every earlier chunk's copy out, which is what the next call
+ * needs.) The next chunk is also staged (written into this rank's send
+ * slot) only once every flag of chunk j is there (a two-shot's: of the
+ * gather step): chunk j + 1's place may be the place of the call before
+ * the call's first chunk, which this rank's proxy may still be sending
+ * until every peer has published chunk j. */
 #define ARX_FLAG_SEQ_SHIFT 32u
 #define ARX_FLAG_DTYPE_SHIFT 28u
 #define ARX_FLAG_DTYPE_MASK 0x3u
@@ -260,10 +271,11 @@ typedef struct arx_gpu_state {
      * two-shot's gather step), gather chunks handed out. */
     uint32_t reduced;
     uint32_t gather_next;
-    /* Pipelined one-shot chunks (kernels/oneshot.cuh, arx_params_t.next_*):
-     * staging chunks of the next chunk handed out / finished, and the gate
-     * of its publish (ARX_GATE_* bits: the block whose bit completes the
-     * set publishes it, exactly once). */
+    /* Pipelined chunks, one-shot and two-shot (kernels/oneshot.cuh,
+     * kernels/twoshot.cuh, arx_params_t.next_*): staging chunks of the
+     * next chunk handed out / finished, and the gate of its publish
+     * (ARX_GATE_* bits: the block whose bit completes the set publishes it,
+     * exactly once). */
     uint32_t next_stage_next;
     uint32_t next_staged;
     uint32_t gate;
@@ -271,9 +283,10 @@ typedef struct arx_gpu_state {
 } arx_gpu_state_t;
 
 /* The three conditions of a pipelined chunk's early publish: the next
- * chunk is staged, this launch's own chunk is published (set from the
- * start when the previous launch published it), every peer's flags of
- * this chunk are in. */
+ * chunk is staged, this launch's own last call is published (one-shot:
+ * its chunk, set from the start when the previous launch published it;
+ * two-shot: its gather step, set by the block that published it), every
+ * peer's flags of that call are in. */
 #define ARX_GATE_STAGED 1u
 #define ARX_GATE_OWN 2u
 #define ARX_GATE_FLAGS 4u
@@ -304,19 +317,23 @@ typedef struct arx_params {
     uint32_t more;
     /* ARX_OP_* of the call. */
     uint32_t op;
-    /* Pipelined one-shot chunks (SM staging only; arx_abi.h "A call longer
-     * than one slot"): `prestaged` 1: the previous launch already staged
-     * and published this chunk. `next_count` > 0: this launch stages the
-     * next chunk of the call (`next_count` elements at `next_input`, count
+    /* Pipelined all-reduce chunks, one-shot and two-shot (SM staging only;
+     * arx_abi.h "A call longer than one slot"): `prestaged` 1: the previous
+     * launch already staged and published this chunk (a two-shot's: its
+     * reduce-scatter call). `next_count` > 0: this launch stages the next
+     * chunk of the call (`next_count` elements at `next_input`, count
      * -field bits `next_more`) into its place, and publishes it once every
-     * peer's flags of this chunk are in, before summing this one. Zero in
-     * every other launch. */
+     * peer's flags of this chunk (a two-shot's: of its gather call) are
+     * in, before summing this one (a two-shot: before copying the gathered
+     * shards out). Zero in every other launch. */
     uint32_t prestaged;
     uint32_t next_count;
     uint32_t next_more;
     /* Test hook (Builder::test_sum_delay; 0 otherwise): in a one-shot
-     * launch each block pauses this long after its wait, before it sums, so
-     * that a test can make one rank the slow one. */
+     * launch each block pauses this long after its wait, before it sums; in
+     * a collective launch (two-shot, reduce_scatter, all_gather) after each
+     * of its waits, before it reduces or copies out; so that a test can
+     * make one rank the slow one. */
     uint32_t sum_delay_ns;
     uint64_t next_input;
 } arx_params_t;

@@ -455,6 +455,19 @@ __device__ __forceinline__ void gate_arrive(arx_ctrl_t *ctrl, arx_gpu_state_t *s
         publish_call(ctrl, next_seq, next_flag, next_bytes);
 }
 
+/* Test hook (arx_params_t.sum_delay_ns, 0 otherwise): the block pauses
+ * after a wait, before it sums or copies out, so that a test can make this
+ * rank the slow one. Called by every thread (uniform: a kernel parameter). */
+__device__ __forceinline__ void test_pause(const arx_params_t &p) {
+    if (p.sum_delay_ns == 0) return;
+    if (threadIdx.x == 0) {
+        const u64 t0 = globaltimer();
+        while (globaltimer() - t0 < p.sum_delay_ns) {
+        }
+    }
+    __syncthreads();
+}
+
 /* A call the host launched as one block (up to 8 KB by default) that is
  * not part of a pipelined call, with SM staging: the same steps and the
  * same result as oneshot_run, without what exists only to share the work
@@ -505,15 +518,7 @@ __device__ void oneshot_single(const arx_params_t &p) {
         if (tid == 0) publish_call(ctrl, seq, flag, (u64)count * sizeof(S));
         failed = wait_peers(p, ctrl, st, seq, flag, (const u32 *)0, 0, &s_slot, &s_status);
     }
-    if (!failed && p.sum_delay_ns != 0) {
-        /* Test hook (arx_params_t.sum_delay_ns). */
-        if (tid == 0) {
-            const u64 t0 = globaltimer();
-            while (globaltimer() - t0 < p.sum_delay_ns) {
-            }
-        }
-        __syncthreads();
-    }
+    if (!failed) test_pause(p);
     const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
     if (!failed)
         reduce_units<T>(op, world, me, in, recv, slot, out, count, tid, bd, (nunits + bd - 1) / bd,
@@ -648,15 +653,7 @@ __device__ void oneshot_run(const arx_params_t &p) {
                     tid == 0)
                     gate_arrive(ctrl, st, ARX_GATE_STAGED, seq + 1, nflag, nbytes);
             }
-            if (p.sum_delay_ns != 0) {
-                /* Test hook (arx_params_t.sum_delay_ns). */
-                if (tid == 0) {
-                    const u64 t0 = globaltimer();
-                    while (globaltimer() - t0 < p.sum_delay_ns) {
-                    }
-                }
-                __syncthreads();
-            }
+            test_pause(p);
         }
 
         /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */

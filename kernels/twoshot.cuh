@@ -26,6 +26,27 @@
  *             state.seq past every call of the launch (two for a two-shot)
  *             and NaN-poisons what the call writes if it failed.
  *
+ * Pipelined two-shot chunks (SM staging, a call longer than one slot:
+ * arx_params_t.prestaged / next_*, arx_abi.h "A call longer than one
+ * slot"): chunk k is calls seq = first + 2k (SCATTER) and seq + 1
+ * (GATHER), both in half k & 1 of their slots. The launch of chunk k,
+ * once every peer's flags of its gather call are in, stages chunk k + 1's
+ * partial into its place (call seq + 2: parity p, half (k + 1) & 1) and
+ * publishes it, then copies the gathered shards out, so the proxy sends
+ * chunk k + 1's reduce-scatter step meanwhile; the launch of chunk k + 1
+ * (`prestaged`) neither stages nor publishes its reduce-scatter call, it
+ * waits for its flags and goes on as any launch. Every next chunk, the
+ * last one's too, is published so (as the host side's twoshot::pipelined
+ * does: the call's last call, the last chunk's gather step, is still
+ * published only after every earlier chunk's copy out). The publish is
+ * gated as one-shot's (ARX_GATE_*, the block whose bit completes the set
+ * publishes, exactly once): the next chunk staged (by the blocks past the
+ * gather wait, by tickets), this launch's gather call published (the
+ * block that counts the last reduce chunk, after its release store: the
+ * gather waiters may pass once `reduced` is complete, before that store),
+ * every peer's gather flags in. Staging only after those flags: the rule
+ * of arx_abi.h.
+ *
  * Every property of the one-shot kernel holds, by the same means: work is
  * handed out by tickets and no block waits for another block of its grid
  * except one that holds work of this launch (a running block): a gather
@@ -122,13 +143,21 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
     const u32 per_chunk = bd * unroll; /* units per chunk */
 
+    /* Pipelined two-shot chunks (see the top of this file): `pre`, the
+     * previous launch staged and published call seq; `ahead`, this launch
+     * stages and publishes the next chunk's call seq + 2. */
+    const bool pipe = two && p.sm_staging;
+    const bool pre = pipe && p.prestaged != 0;
+    const bool ahead = pipe && p.next_count != 0;
+
     /* Staged: the slot's elements [s0, s1). At least one chunk of each
-     * phase, so that a zero-length call still publishes and waits. */
+     * phase, so that a zero-length call still publishes and waits; no
+     * staging when prestaged. */
     const u32 s0 = reduce ? 0u : r0;
     const u32 s1 = reduce ? count : r1;
     const u32 nsu = (s1 - s0 + unit - 1) / unit;
     const u32 nsc = (nsu + per_chunk - 1) / per_chunk;
-    const u32 nstage = p.sm_staging ? (nsc > 0 ? nsc : 1u) : 1u;
+    const u32 nstage = pre ? 0u : p.sm_staging ? (nsc > 0 ? nsc : 1u) : 1u;
     const u32 nru = (r1 - r0 + unit - 1) / unit;
     const u32 nrc = (nru + per_chunk - 1) / per_chunk;
     const u32 nred = nrc > 0 ? nrc : 1u;
@@ -136,13 +165,29 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     const u32 ngc = (ngu + per_chunk - 1) / per_chunk;
     const u32 ngath = ngc > 0 ? ngc : 1u;
     /* `staged` once every staging chunk is counted and call seq published
-     * (the publishing block adds one more after its release store). */
-    const u32 published = nstage + 1u;
+     * (the publishing block adds one more after its release store); 0 when
+     * prestaged (the previous launch published it: stream order). */
+    const u32 published = pre ? 0u : nstage + 1u;
+
+    /* The next chunk's reduce-scatter call (seq + 2, this parity, its
+     * half), when `ahead`: a contiguous copy of its partial, as this
+     * chunk's own staging is for a two-shot (in_stride == L). */
+    const u32 ncount = ahead ? p.next_count : 0u;
+    const S *nin = (const S *)p.next_input;
+    S *nsend = (S *)(region + p.layout.send_off + (u64)par * slot +
+                     ((p.next_more & ARX_FLAG_HIGH) ? slot / 2 : 0));
+    const bool nvec = (p.next_input & 15ull) == 0;
+    const u32 nunit = nvec ? VE : 1u;
+    const u32 nstage_next = ((ncount + nunit - 1) / nunit + per_chunk - 1) / per_chunk;
+    const u64 nflag = make_flag(seq + 2, op, p.dtype, ncount,
+                                (p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH)) |
+                                    (ARX_PATTERN_SCATTER << ARX_FLAG_PATTERN_SHIFT));
+    const u64 nbytes = (u64)ncount * sizeof(S);
 
     bool failed = block_status(st, &s_ticket) != 0;
 
-    /* ---- stage and publish call seq ---- */
-    if (!failed) {
+    /* ---- stage and publish call seq (unless prestaged) ---- */
+    if (!failed && nstage > 0) {
         u32 mine = 0;
         for (;;) {
             u32 c = block_ticket(&st->stage_next, &s_ticket);
@@ -172,9 +217,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
             if (tid == 0) {
                 u32 before = atom_add_acq_rel_gpu(&st->staged, mine);
                 if (before + mine == nstage) {
-                    st_relaxed_sys_u64(&ctrl->meta[par], flag1);
-                    st_relaxed_sys_u64(&ctrl->bytes[par], (u64)count * sizeof(S));
-                    st_release_sys_u64(&ctrl->seq, seq);
+                    publish_call(ctrl, seq, flag1, (u64)count * sizeof(S));
                     /* Counted once more only once call seq is out: a
                      * two-shot's gather call is published by another
                      * block, which must come after this store (else
@@ -201,6 +244,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
                                     &s_status);
                 if (failed) break;
                 ready = true;
+                test_pause(p);
             }
             mine++;
             for (u32 k = 0; k < unroll; k++) {
@@ -217,15 +261,16 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
             /* The reduced shard in send[p ^ 1] is made visible system-wide
              * before the block counts its chunks; the block that counts
              * the last one publishes the gather call (not after a
-             * failure: the call ends there, as on the host side). */
+             * failure: the call ends there, as on the host side), then,
+             * pipelined, arrives at the gate: the next chunk's publish
+             * must come after this one (ctrl.seq only grows). */
             fence_sc_sys();
             __syncthreads();
             if (tid == 0) {
                 u32 before = atom_add_acq_rel_gpu(&st->reduced, mine);
                 if (before + mine == nred && ld_relaxed_gpu_u32(&st->status) == 0) {
-                    st_relaxed_sys_u64(&ctrl->meta[gpar], gflag);
-                    st_relaxed_sys_u64(&ctrl->bytes[gpar], (u64)count * sizeof(S));
-                    st_release_sys_u64(&ctrl->seq, gseq);
+                    publish_call(ctrl, gseq, gflag, (u64)count * sizeof(S));
+                    if (ahead) gate_arrive(ctrl, st, ARX_GATE_OWN, seq + 2, nflag, nbytes);
                 }
             }
         }
@@ -246,6 +291,18 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
                                     &s_status);
                 if (failed) break;
                 ready = true;
+                if (ahead) {
+                    /* Only now (arx_abi.h: the next chunk is staged once
+                     * every flag of this one is there), then published by
+                     * whichever block completes the gate; the copy out
+                     * below overlaps its sends. */
+                    if (tid == 0) gate_arrive(ctrl, st, ARX_GATE_FLAGS, seq + 2, nflag, nbytes);
+                    if (stage_all<S>(&st->next_stage_next, &st->next_staged, nstage_next, nin,
+                                     nsend, ncount, per_chunk, unroll, nvec, true, &s_ticket) &&
+                        tid == 0)
+                        gate_arrive(ctrl, st, ARX_GATE_STAGED, seq + 2, nflag, nbytes);
+                }
+                test_pause(p);
             }
             for (u32 k = 0; k < unroll; k++) {
                 u32 u = c * per_chunk + k * bd + tid;
@@ -282,9 +339,12 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     /* Copy-engine staging: as one-shot, the launch ends only once the proxy
      * has finished reading every slot it published (the next call's
      * copies overwrite both send slots): the last call it published, read
-     * back from ctrl.seq (this GPU side's own release store). */
-    const u64 pub = p.sm_staging ? 0 : ld_acquire_sys_u64(&ctrl->seq);
-    const u32 status = await_sent(ctrl, st, !p.sm_staging && pub >= seq, pub, me);
+     * back from ctrl.seq (this GPU side's own release store) by the one
+     * thread that waits (await_sent looks at `wait` in thread 0 only; in
+     * the others `pub` stays 0, below seq). */
+    u64 pub = 0;
+    if (!p.sm_staging && tid == 0) pub = ld_acquire_sys_u64(&ctrl->seq);
+    const u32 status = await_sent(ctrl, st, pub >= seq, pub, me);
     if (status != 0) {
         /* NaN over everything the call writes (see one-shot). */
         const u32 p0 = kind == ARX_COLL_REDUCE_SCATTER ? r0 : 0u;

@@ -61,9 +61,11 @@ impl Builder {
         self
     }
     /// Test hook, not for use: pauses `d` before each pipelined chunk's
-    /// sum on the host side (calls longer than one slot), and before every
-    /// one-shot sum on the GPU side, so that a test can make one rank the
-    /// slow one while its peers run ahead.
+    /// sum (two-shot: its reduce and its copy out) on the host side (calls
+    /// longer than one slot), and on the GPU side before every one-shot
+    /// sum and every reduce and copy out of the collective kernels
+    /// (two-shot, reduce_scatter, all_gather), so that a test can make one
+    /// rank the slow one while its peers run ahead.
     #[doc(hidden)]
     pub fn test_sum_delay(mut self, d: Duration) -> Self {
         self.o.sum_delay = Some(d);

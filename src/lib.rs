@@ -123,9 +123,9 @@
 //!   captured into graphs (see GPU buffers).
 //! * Any length works (up to what the buffers hold). A call longer than one
 //!   slot ([`Arx::max_count`] elements) runs as chunks of half a slot, the
-//!   last one shorter, each an ordinary call with its own call number (on
-//!   pipelined: chunk j + 1 is sent while chunk j is summed, on the GPU
-//!   side for one-shot calls with SM staging):
+//!   last one shorter, each an ordinary call with its own call number,
+//!   pipelined (chunk j + 1 is sent while chunk j is summed; on the GPU
+//!   side with SM staging):
 //!   every guarantee above holds per chunk, and since each element is
 //!   summed by exactly one chunk exactly as one call would sum it, the
 //!   result is bit-identical to an unchunked call's, whatever the slot

@@ -3,10 +3,11 @@
 //! the host side: chunk `j + 1` is published as soon as every peer's flags
 //! of chunk `j` are there, so its sends (the proxy thread's copies, the
 //! NIC's writes) overlap chunk `j`'s sum ([`host`]). On the GPU side each
-//! chunk is one kernel launch (`device::gpu::GpuSide::launch`); with SM
-//! staging a one-shot chunk's launch stages and publishes the next chunk
-//! the same way (kernels/oneshot.cuh), two-shot chunks and copy-engine
-//! staging are not overlapped.
+//! chunk is one kernel launch (`device::gpu::GpuSide::launch`,
+//! `launch_collective`); with SM staging a chunk's launch stages and
+//! publishes the next chunk in the host side's order (kernels/oneshot.cuh;
+//! a two-shot chunk's: its reduce-scatter step, kernels/twoshot.cuh);
+//! copy-engine staging is not overlapped.
 //!
 //! Chunk `j` sits in the half `(j >> 1) & 1` of its parity's slots
 //! (`ARX_FLAG_HIGH` in its flag word, `kernels/arx_abi.h`), so four

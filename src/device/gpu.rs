@@ -173,15 +173,28 @@ impl Module {
     }
 }
 
-/// A one-shot chunk's part in a pipelined call (`arx_params_t.prestaged`,
-/// `next_*`; kernels/oneshot.cuh).
+/// A chunk's part in a pipelined all-reduce (`arx_params_t.prestaged`,
+/// `next_*`; kernels/oneshot.cuh, kernels/twoshot.cuh), SM staging only.
 #[derive(Debug, Clone, Copy, Default)]
 struct Pipe {
-    /// The previous launch staged and published this chunk.
+    /// The previous launch staged and published this chunk (a two-shot
+    /// chunk: its reduce-scatter call).
     prestaged: bool,
     /// The next chunk this launch stages and publishes early: its input
     /// address, element count and count-field bits.
     next: Option<(u64, usize, u32)>,
+}
+
+impl Pipe {
+    /// Writes this part into a launch's parameters.
+    fn apply(self, params: &mut abi::arx_params_t) {
+        params.prestaged = u32::from(self.prestaged);
+        if let Some((next_input, next_count, next_bits)) = self.next {
+            params.next_input = next_input;
+            params.next_count = next_count as u32;
+            params.next_more = next_bits;
+        }
+    }
 }
 
 /// What a launch of the collective kernel runs (its `kind` argument,
@@ -313,7 +326,7 @@ pub(crate) struct GpuSide {
     max_blocks: u32,
     unroll: Option<u32>,
     /// `Builder::test_sum_delay` in nanoseconds (0: none), for the
-    /// one-shot kernels (`arx_params_t.sum_delay_ns`).
+    /// one-shot and collective kernels (`arx_params_t.sum_delay_ns`).
     sum_delay_ns: u32,
     ordinal: usize,
     arch: String,
@@ -620,12 +633,7 @@ impl GpuSide {
         }
         let mut params = self.params([input, output], count, code, bits, op.code());
         params.sum_delay_ns = self.sum_delay_ns;
-        params.prestaged = u32::from(pipe.prestaged);
-        if let Some((next_input, next_count, next_bits)) = pipe.next {
-            params.next_input = next_input;
-            params.next_count = next_count as u32;
-            params.next_more = next_bits;
-        }
+        pipe.apply(&mut params);
         // SAFETY: the one-shot kernels take exactly one `arx_params_t` by
         // value (kernels/arx.cu); the addresses in it are valid by the
         // caller's contract.
@@ -734,23 +742,48 @@ impl GpuSide {
         let esize = dtype.size();
         let world = self.layout.world();
         let r = match coll {
-            Coll::TwoShot => chunked::call_chunks(n, per, 2).try_for_each(|c| {
-                let at = (c.range.start * esize) as u64;
-                let len = c.range.len();
-                // SAFETY: the chunk lies within the caller's `n` elements
-                // and holds at most one slot's worth.
-                unsafe {
-                    self.launch_coll_one(
-                        coll,
-                        [input + at, output + at],
-                        len,
-                        [0, 0],
-                        (dtype, op),
-                        c.bits(),
-                        stream,
-                    )
-                }
-            }),
+            Coll::TwoShot => {
+                // Pipelined (SM staging only: copy-engine copies write both
+                // parities' slots at the chunk's half before the kernel, and
+                // would overwrite a slot in flight): launch k stages and
+                // publishes chunk k + 1's reduce-scatter call once its own
+                // gather call's flags are in, before its copy out -- the
+                // last chunk's too, as the host side's `twoshot::pipelined`
+                // does (the call's last call, the last chunk's gather step,
+                // still waits for every earlier chunk's copy out:
+                // kernels/arx_abi.h); launch k + 1 then finds it published.
+                let pipe = self.staging == Staging::Sm;
+                let nexts = chunked::call_chunks(n, per, 2)
+                    .skip(1)
+                    .map(Some)
+                    .chain(std::iter::once(None));
+                chunked::call_chunks(n, per, 2)
+                    .zip(nexts)
+                    .enumerate()
+                    .try_for_each(|(k, (c, next))| {
+                        let at = |i: usize| (i * esize) as u64;
+                        let pipe_in = Pipe {
+                            prestaged: pipe && k >= 1,
+                            next: next
+                                .filter(|_| pipe)
+                                .map(|x| (input + at(x.range.start), x.range.len(), x.bits())),
+                        };
+                        // SAFETY: the chunk (and the next one, read by this
+                        // launch when pipelined) lies within the caller's
+                        // `n` elements and holds at most one slot's worth.
+                        unsafe {
+                            self.launch_coll_one(
+                                coll,
+                                [input + at(c.range.start), output + at(c.range.start)],
+                                c.range.len(),
+                                [0, 0],
+                                (dtype, op),
+                                (c.bits(), pipe_in),
+                                stream,
+                            )
+                        }
+                    })
+            }
             Coll::ReduceScatter | Coll::AllGather => {
                 collective::block_chunks(n, world, per).try_for_each(|c| {
                     let at = (c.range.start * esize) as u64;
@@ -769,7 +802,7 @@ impl GpuSide {
                             world * c.range.len(),
                             strides,
                             (dtype, op),
-                            c.bits(),
+                            (c.bits(), Pipe::default()),
                             stream,
                         )
                     }
@@ -784,10 +817,13 @@ impl GpuSide {
     /// Enqueues one chunk of a collective: `count` elements in the call
     /// (`N·c` for a reduce-scatter or all-gather), block `q` of the
     /// caller's buffers at `io[0] + q·strides[0]` and `io[1] +
-    /// q·strides[1]` elements (a two-shot's are contiguous).
+    /// q·strides[1]` elements (a two-shot's are contiguous); `bits`: the
+    /// chunk's count-field bits, `pipe`: its part in a pipelined two-shot
+    /// (default for the others).
     ///
     /// # Safety
-    /// As [`GpuSide::launch_collective`], for one chunk.
+    /// As [`GpuSide::launch_collective`], for one chunk (and the next one's
+    /// input, when `pipe` names one).
     #[allow(clippy::too_many_arguments)]
     unsafe fn launch_coll_one(
         &mut self,
@@ -796,7 +832,7 @@ impl GpuSide {
         count: usize,
         strides: [u64; 2],
         (dtype, op): (Dtype, crate::Op),
-        bits: u32,
+        (bits, pipe): (u32, Pipe),
         stream: sys::CUstream,
     ) -> Result<()> {
         let [input, output] = io;
@@ -853,7 +889,9 @@ impl GpuSide {
                 r.map_err(cuda_err("cuMemcpyDtoDAsync"))?;
             }
         }
-        let params = self.params([input, output], count, dtype.code(), bits, op.code());
+        let mut params = self.params([input, output], count, dtype.code(), bits, op.code());
+        params.sum_delay_ns = self.sum_delay_ns;
+        pipe.apply(&mut params);
         let mut kind = coll.kind();
         let [mut in_stride, mut out_stride] = strides;
         let mut extra = [

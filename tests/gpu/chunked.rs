@@ -224,10 +224,25 @@ pub(super) fn chunked_mismatch(ctx: &Ctx, st: Staging) -> R {
 /// before it sums), so its peers run ahead as far as the pipelined
 /// protocol lets them (arx_abi.h, "A call longer than one slot": launch k
 /// publishes chunk k + 1 before its sum, never the last chunk). Lengths of
-/// 2 to 9 chunks (the last of 1 to 3 elements) alternate with calls of
-/// most of one slot; in place and out of place; every output checked at
-/// the end. Copy-engine staging runs the same calls unpipelined.
+/// 3 to 9 chunks (the last of 1 to 3 elements; now and then just over
+/// half a slot, one chunk) alternate with calls of most of one slot; in
+/// place and out of place; every output checked at the end. Copy-engine
+/// staging runs the same calls unpipelined.
 pub(super) fn chunked_back_to_back(ctx: &Ctx, st: Staging) -> R {
+    back_to_back(ctx, st, arx::Algo::OneShot, 0xC_B000)
+}
+
+/// [`chunked_back_to_back`] with two-shot calls: launch k publishes chunk
+/// k + 1's reduce-scatter step once every peer's gather flags of chunk k
+/// are in, before it copies the gathered shards out (the last chunk's
+/// too); the slow rank pauses before each reduce and each copy out.
+pub(super) fn twoshot_back_to_back(ctx: &Ctx, st: Staging) -> R {
+    back_to_back(ctx, st, arx::Algo::TwoShot, 0xC_B100)
+}
+
+/// The calls of [`chunked_back_to_back`] under `algo`, inputs of calls
+/// `first`, `first + 1`, ...
+fn back_to_back(ctx: &Ctx, st: Staging, algo: arx::Algo, first: u64) -> R {
     let slow = ctx.rank == ctx.n - 1;
     let (mut arx, s) = with_sum_delay(slow.then(|| Duration::from_micros(500)), || {
         build_opts(
@@ -235,7 +250,7 @@ pub(super) fn chunked_back_to_back(ctx: &Ctx, st: Staging) -> R {
             st,
             Duration::from_secs(30),
             Some(SMALL_SLOT),
-            Some(arx::Algo::OneShot),
+            Some(algo),
         )
     })?;
     let m = arx.max_count::<f32>();
@@ -248,7 +263,7 @@ pub(super) fn chunked_back_to_back(ctx: &Ctx, st: Staging) -> R {
         } else {
             m - (c as usize * 31) % (m / 4)
         };
-        let call = 0xC_B000 + c;
+        let call = first + c;
         let (mine, want) = call_data::<f32>(ctx, call, count);
         if c % 4 < 2 {
             let mut buf = up(&s, &mine)?;
@@ -269,14 +284,183 @@ pub(super) fn chunked_back_to_back(ctx: &Ctx, st: Staging) -> R {
         let got = down(&s, d)?;
         ctx.fold(&got);
         compare(
-            &format!("call {call:#x}: {} x f32 (chunks of {})", want.len(), m / 2),
+            &format!(
+                "{} call {call:#x}: {} x f32 (chunks of {})",
+                algo.name(),
+                want.len(),
+                m / 2
+            ),
             &got,
             want,
         )?;
     }
     ctx.say(format!(
-        "{calls} calls back to back (2..9 chunks of {} f32, or one slot), rank {} slow",
+        "{calls} {} calls back to back (3..9 chunks of {} f32, or one), rank {} slow",
+        algo.name(),
         m / 2,
+        ctx.n - 1
+    ));
+    Ok(())
+}
+
+/// Chunked calls captured into CUDA graphs on stream B, each replay
+/// followed by an eager call on stream A (alternately chunked and of one
+/// slot), everything of a round enqueued before any of it is checked, the
+/// last rank slow (as in [`chunked_back_to_back`]); one-shot, then
+/// two-shot. The pipelined launches of a replay then sit between eager
+/// calls of other lengths and places, ordered by arx alone.
+pub(super) fn chunked_graphs_two_streams(ctx: &Ctx, st: Staging) -> R {
+    for (algo, first) in [
+        (arx::Algo::OneShot, 0xC_C000u64),
+        (arx::Algo::TwoShot, 0xC_D000),
+    ] {
+        graphs_two_streams(ctx, st, algo, first)?;
+    }
+    Ok(())
+}
+
+fn graphs_two_streams(ctx: &Ctx, st: Staging, algo: arx::Algo, first: u64) -> R {
+    let slow = ctx.rank == ctx.n - 1;
+    let (mut arx, a) = with_sum_delay(slow.then(|| Duration::from_micros(300)), || {
+        build_opts(
+            ctx,
+            st,
+            Duration::from_secs(30),
+            Some(SMALL_SLOT),
+            Some(algo),
+        )
+    })?;
+    let b = arx
+        .cuda_context()
+        .ok_or("no context")?
+        .new_stream()
+        .map_err(e("new_stream"))?;
+    let m = arx.max_count::<f32>();
+    // 3, 5 and 8 chunks of m / 2.
+    let lens = [m + 1, 2 * m + 3, 3 * m + m / 2 + 1];
+    let mut graphs = Vec::new();
+    for &n in &lens {
+        let din = poisoned::<f32>(&b, n)?;
+        let mut dout = poisoned::<f32>(&b, n)?;
+        let g = capture(&b, "a chunked allreduce under capture", || {
+            arx.allreduce(&din, &mut dout, &b)
+        })?;
+        graphs.push((n, din, dout, g));
+    }
+    let eager_len = |g: usize| if g % 2 == 0 { 2 * m + 5 + g } else { 1000 + g };
+    let rounds: u64 = if ctx.quick { 2 } else { 6 };
+    for r in 0..rounds {
+        let call = |g: usize, eager: bool| first + r * 16 + 2 * g as u64 + u64::from(eager);
+        let mut wants = Vec::new();
+        for (g, (n, din, dout, _)) in graphs.iter_mut().enumerate() {
+            let (x, want) = call_data::<f32>(ctx, call(g, false), *n);
+            b.memcpy_htod(&x, din).map_err(e("htod"))?;
+            poison_dev(&b, dout)?;
+            wants.push(want);
+        }
+        let mut eager = Vec::new();
+        for g in 0..graphs.len() {
+            let (x, want) = call_data::<f32>(ctx, call(g, true), eager_len(g));
+            eager.push((up(&a, &x)?, poisoned::<f32>(&a, eager_len(g))?, want));
+        }
+        a.synchronize().map_err(e("sync"))?;
+        b.synchronize().map_err(e("sync"))?;
+        // The same order on every rank: replay g on B, eager call g on A.
+        for ((_, _, _, g), (ein, eout, _)) in graphs.iter().zip(eager.iter_mut()) {
+            g.launch().map_err(e("graph launch"))?;
+            arx.allreduce(ein, eout, &a).map_err(e("eager allreduce"))?;
+        }
+        for (g, ((n, _, dout, _), want)) in graphs.iter().zip(&wants).enumerate() {
+            let got = down(&b, dout)?;
+            ctx.fold(&got);
+            compare(
+                &format!(
+                    "{} round {r}: replay of the {n} x f32 graph {g} (stream B)",
+                    algo.name()
+                ),
+                &got,
+                want,
+            )?;
+        }
+        for (g, (_, eout, want)) in eager.iter().enumerate() {
+            let got = down(&a, eout)?;
+            ctx.fold(&got);
+            compare(
+                &format!(
+                    "{} round {r}: eager {} x f32 after replay {g} (stream A)",
+                    algo.name(),
+                    eager_len(g)
+                ),
+                &got,
+                want,
+            )?;
+        }
+        arx.check().map_err(e("check"))?;
+    }
+    ctx.say(format!(
+        "{} {rounds} rounds: graphs of {lens:?} x f32 (chunks of {}) replayed on stream B, each followed by an eager call on stream A, rank {} slow",
+        algo.name(),
+        m / 2,
+        ctx.n - 1
+    ));
+    Ok(())
+}
+
+/// Pipelined chunked calls made on the GPU by some ranks and on the host
+/// by the others, alternating per call (one instance, the host calls'
+/// `allreduce_host`), the last rank slow on both sides; one-shot, then
+/// two-shot: both sides publish their chunks in the same order
+/// (kernels/arx_abi.h, "A call longer than one slot"), so a GPU rank and
+/// a host rank take part in one call chunk by chunk.
+pub(super) fn chunked_gpu_and_host(ctx: &Ctx, st: Staging) -> R {
+    let slow = ctx.rank == ctx.n - 1;
+    let rounds: u64 = if ctx.quick { 4 } else { 10 };
+    for (algo, first) in [
+        (arx::Algo::OneShot, 0xC_E000u64),
+        (arx::Algo::TwoShot, 0xC_E100),
+    ] {
+        let (mut arx, s) = with_sum_delay(slow.then(|| Duration::from_micros(300)), || {
+            build_opts(
+                ctx,
+                st,
+                Duration::from_secs(30),
+                Some(SMALL_SLOT),
+                Some(algo),
+            )
+        })?;
+        let m = arx.max_count::<f32>();
+        for k in 0..rounds {
+            let gpu = (ctx.rank as u64 + k) % 2 == 0;
+            // 3 to 7 chunks of m / 2, the last of 1 to 3 elements.
+            let n = m / 2 * (2 + k as usize % 5) + 1 + k as usize % 3;
+            let (x, want) = call_data::<f32>(ctx, first + k, n);
+            let got = if gpu {
+                let din = up(&s, &x)?;
+                let mut dout = poisoned::<f32>(&s, n)?;
+                arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
+                down(&s, &dout)?
+            } else {
+                let mut out = vec![0f32; n];
+                verify::poison(&mut out);
+                arx.allreduce_host(&x, &mut out)
+                    .map_err(e("allreduce_host"))?;
+                out
+            };
+            arx.check().map_err(e("check"))?;
+            ctx.fold(&got);
+            compare(
+                &format!(
+                    "{} round {k}: {n} x f32 on the {}",
+                    algo.name(),
+                    if gpu { "GPU" } else { "host" }
+                ),
+                &got,
+                &want,
+            )?;
+        }
+    }
+    ctx.say(format!(
+        "{rounds} chunked calls per algorithm (3..7 chunks), GPU and host ranks alternating, rank {} slow",
         ctx.n - 1
     ));
     Ok(())

@@ -41,7 +41,12 @@
 //! to an ordinary call) and replayed with new input; chunked calls on a
 //! second stream interleaved with ordinary calls on the first; a rank with
 //! one chunk more than the others (every rank fails with `CallMismatch` at
-//! once).
+//! once); pipelined chunked calls (one-shot and two-shot) back to back with
+//! the last rank slowed (`Builder::test_sum_delay`), and captured into
+//! graphs replayed on a second stream between eager calls on the first,
+//! the last rank slowed; pipelined chunked calls made on the GPU by some
+//! ranks and on the host by the others (a GPU rank and a host rank in one
+//! call, chunk by chunk), the last rank slowed.
 //!
 //! Reductions other than sum (`ops.rs`): sum, max, min and avg on every
 //! dtype at 1, 77, 1001 and 2m+3 elements, out of place, in place and
@@ -338,6 +343,18 @@ fn child() -> ExitCode {
         (
             "pipelined chunked calls back to back, one rank slow",
             chunked_back_to_back,
+        ),
+        (
+            "two-shot: pipelined chunked calls back to back, one rank slow",
+            twoshot_back_to_back,
+        ),
+        (
+            "chunked calls in graphs on a second stream between eager calls on the first, one rank slow: one-shot and two-shot",
+            chunked_graphs_two_streams,
+        ),
+        (
+            "pipelined chunked calls, GPU on some ranks and host on others, one rank slow: one-shot and two-shot",
+            chunked_gpu_and_host,
         ),
         (
             "max, min, avg: every dtype, length and placement, eager",
