@@ -185,12 +185,12 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
                 *s_status = ARX_STATUS_TIMEOUT;
             }
         }
-        /* Uniform decisions: every thread leaves in the same round (one
-         * barrier: bit 0 a mismatch, bit 1 a stop, bit 2 a flag missing). */
-        const int votes = __syncthreads_or((int)(bad | (stop << 1) | ((ok ^ 1u) << 2)));
-        const int any_bad = votes & 1;
-        const int all = (votes & 4) == 0;
-        const int any_stop = votes & 2;
+        /* Uniform decisions: every thread leaves in the same round.
+         * (__syncthreads_or returns 1 or 0, not the OR of its operands:
+         * three votes, not one with three bits.) */
+        int any_bad = __syncthreads_or((int)bad);
+        int all = __syncthreads_and((int)ok);
+        int any_stop = __syncthreads_or((int)stop);
         if (any_bad) {
             failed = true;
             break;
