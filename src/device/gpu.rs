@@ -48,6 +48,13 @@ const THREADS: u32 = 256;
 const MAX_BLOCKS: u32 = 16;
 /// Vectors per thread per work chunk.
 const DEFAULT_UNROLL: u32 = 2;
+/// One-shot calls up to this many bytes run as one block
+/// (`oneshot_single` in kernels/oneshot.cuh: no tickets, no election, no
+/// departure count). H200, 2026-12-02 (docs/GPU.md, "Where a small call's
+/// time goes"): at 16 KB one block took 7.2 us against 10.9 for two blocks
+/// (1 rank, `-G 10`) and 15.6 against 18.0 (2 ranks under MPS); at 32 KB
+/// two ranks were faster with several blocks (21.9 against 23.3).
+const ONE_BLOCK_BYTES: usize = 16 << 10;
 
 fn cuda_err(call: &'static str) -> impl Fn(result::DriverError) -> Error {
     move |e| Error::Cuda {
@@ -492,12 +499,16 @@ impl GpuSide {
     }
 
     /// Launch shape for `count` elements of `dtype`, `aligned` or not:
-    /// (blocks, units per thread per chunk).
-    fn shape(&self, count: usize, dtype: Dtype, aligned: bool) -> (u32, u32) {
+    /// (blocks, units per thread per chunk). One block for calls of up to
+    /// `one_block` bytes.
+    fn shape(&self, count: usize, dtype: Dtype, aligned: bool, one_block: usize) -> (u32, u32) {
         let per_unit = if aligned { 16 / dtype.size() } else { 1 };
         let units = count.div_ceil(per_unit);
         let unroll = self.unroll.unwrap_or(DEFAULT_UNROLL);
         let chunks = units.div_ceil((THREADS * unroll) as usize).max(1);
+        if count * dtype.size() <= one_block {
+            return (1, unroll);
+        }
         ((chunks.min(self.max_blocks as usize)) as u32, unroll)
     }
 
@@ -637,7 +648,16 @@ impl GpuSide {
         // SAFETY: the one-shot kernels take exactly one `arx_params_t` by
         // value (kernels/arx.cu); the addresses in it are valid by the
         // caller's contract.
-        unsafe { self.fire(self.module.kernel(code), d, params, &mut [], stream) }
+        unsafe {
+            self.fire(
+                self.module.kernel(code),
+                d,
+                params,
+                &mut [],
+                ONE_BLOCK_BYTES,
+                stream,
+            )
+        }
     }
 
     /// The kernel parameters of one chunk of `count` elements (`code`: the
@@ -668,7 +688,8 @@ impl GpuSide {
 
     /// Launches kernel `f` on `stream` with `params` first and then the
     /// by-value arguments `extra` points to, in the launch shape of
-    /// `params.count` elements of `dtype` (None, a refusal: one block).
+    /// `params.count` elements of `dtype` (None, a refusal: one block; one
+    /// block also up to `one_block` bytes).
     ///
     /// # Safety
     /// `f`'s parameters must be exactly an `arx_params_t` followed by what
@@ -681,11 +702,13 @@ impl GpuSide {
         dtype: Option<Dtype>,
         mut params: abi::arx_params_t,
         extra: &mut [*mut c_void],
+        one_block: usize,
         stream: sys::CUstream,
     ) -> Result<()> {
         let aligned = (params.input | params.output) & 15 == 0;
-        let (blocks, unroll) =
-            dtype.map_or((1, 1), |d| self.shape(params.count as usize, d, aligned));
+        let (blocks, unroll) = dtype.map_or((1, 1), |d| {
+            self.shape(params.count as usize, d, aligned, one_block)
+        });
         params.unroll = unroll;
         let mut args = [std::ptr::null_mut::<c_void>(); 4];
         args[0] = (&mut params as *mut abi::arx_params_t).cast();
@@ -908,6 +931,7 @@ impl GpuSide {
                 Some(dtype),
                 params,
                 &mut extra,
+                0,
                 stream,
             )
         }
@@ -970,6 +994,7 @@ impl GpuSide {
                     Some(dtype),
                     params,
                     &mut extra,
+                    0,
                     stream,
                 )
             }
