@@ -468,8 +468,9 @@ __device__ __forceinline__ void test_pause(const arx_params_t &p) {
     __syncthreads();
 }
 
-/* A call the host launched as one block (up to 8 KB by default) that is
- * not part of a pipelined call, with SM staging: the same steps and the
+/* A call the host launched as one block (one-shot calls up to 16 KB,
+ * ONE_BLOCK_BYTES in src/device/gpu.rs) that is not part of a pipelined
+ * call, with SM staging: the same steps and the
  * same result as oneshot_run, without what exists only to share the work
  * among blocks -- the tickets, the staging count, the poller election,
  * ready_seq and the departure count, each an atomic or a fence in device
