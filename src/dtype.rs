@@ -383,10 +383,12 @@ impl Element for f32 {
 /// `op` other than sum combines by [`crate::Op`]'s rule instead of adding
 /// (max, min), or divides the sum once at the end (avg).
 ///
-/// On x86-64 CPUs with AVX2 and F16C (detected at run time) the same code
-/// runs compiled for them ([`reduce_avx2`]). The operations and their
-/// order are the same everywhere (IEEE adds and compares per lane, no fused
-/// multiply-add, conversions bit for bit), so the bits are too.
+/// On x86-64 CPUs with AVX2 and F16C (detected at run time) each pass over
+/// a block is explicit 8-lane AVX2 code ([`avx2`]); elsewhere the same
+/// steps run as slice loops the compiler vectorises for the CPU
+/// ([`Portable`]). The operations and their order are the same everywhere
+/// (IEEE adds and compares per lane, no fused multiply-add, conversions
+/// bit for bit), so the bits are too.
 pub(crate) fn reduce_in_rank_order<T: Element>(
     op: crate::Op,
     world: usize,
@@ -394,7 +396,7 @@ pub(crate) fn reduce_in_rank_order<T: Element>(
     out: &mut [T],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = f16c::Cpu::detect() {
+    if let Some(cpu) = avx2::Cpu::detect() {
         // SAFETY: the CPU has AVX2 and F16C (`cpu` exists), the only
         // features `reduce_avx2` is compiled for.
         unsafe { reduce_avx2(cpu, op, world, part, out) };
@@ -403,16 +405,15 @@ pub(crate) fn reduce_in_rank_order<T: Element>(
     reduce_blocks(Portable, op, world, part, out);
 }
 
-/// [`reduce_blocks`] compiled for AVX2 and F16C: 8 f32 lanes instead of
-/// x86-64's baseline SSE2's 4, and f16 conversions by F16C instructions
-/// inline ([`f16c::Cpu`]).
+/// [`reduce_blocks`] with the [`avx2`] passes, compiled for AVX2 and F16C
+/// so that their intrinsics inline.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_avx2<T: Element>(
-    cpu: f16c::Cpu,
+    cpu: avx2::Cpu,
     op: crate::Op,
     world: usize,
     part: impl Fn(usize, usize, &mut [u8]),
@@ -421,115 +422,225 @@ unsafe fn reduce_avx2<T: Element>(
     reduce_blocks(cpu, op, world, part, out);
 }
 
-/// How a block's elements widen to f32 and narrow back.
-trait Convert: Copy {
-    fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]);
-    fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]);
+/// Elements per block: every pass over a block stays in L1.
+const BLOCK: usize = 512;
+/// Elements per group: what the [`avx2`] passes take at a time (two AVX
+/// registers of f32).
+const GROUP: usize = 16;
+
+/// A block of f32 (the accumulator), or of one rank's raw partial bytes
+/// (any dtype: at most 4 bytes an element), in groups, aligned for the
+/// vector loads. Bytes past a short last block's end hold stale values:
+/// lanes computed from them are never written out.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Block([[f32; GROUP]; BLOCK / GROUP]);
+
+impl Block {
+    const ZERO: Block = Block([[0.0; GROUP]; BLOCK / GROUP]);
+
+    fn f32s_mut(&mut self, n: usize) -> &mut [f32] {
+        &mut bytemuck::cast_slice_mut(&mut self.0[..])[..n]
+    }
+    fn bytes(&self, len: usize) -> &[u8] {
+        &bytemuck::cast_slice(&self.0[..])[..len]
+    }
+    fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.0[..])[..len]
+    }
+    /// The raw partial as `groups` groups of elements of `T`.
+    #[cfg(target_arch = "x86_64")]
+    fn groups<T: Element>(&self, groups: usize) -> &[[T; GROUP]] {
+        &bytemuck::cast_slice(&self.0[..])[..groups]
+    }
 }
 
-/// The element type's own slice conversions ([`Element::widen`],
-/// [`Element::narrow`]), for any CPU.
-#[derive(Clone, Copy)]
-struct Portable;
+/// One pass of the reduction over a block of `n` elements. Its value per
+/// element is `a ∘ widen(next)` (by the op's rule) where `a` is
+/// `widen(first)`, or the accumulator's when `first` is `None`; without
+/// `next`, `a` alone as the first operand (max, min: a NaN made
+/// canonical). Then that value goes into `out` (the op's last step, then
+/// one rounding to `T`) when given, else into the accumulator. (The
+/// accumulator may be left changed either way.)
+trait Kernel: Copy {
+    #[allow(clippy::too_many_arguments)]
+    fn pass<T: Element>(
+        self,
+        op: crate::Op,
+        world: usize,
+        n: usize,
+        first: Option<&Block>,
+        next: Option<&Block>,
+        acc: &mut Block,
+        out: Option<&mut [T]>,
+    );
 
-impl Convert for Portable {
-    #[inline(always)]
-    fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]) {
-        T::widen(src, dst);
-    }
-    #[inline(always)]
-    fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]) {
-        T::narrow(src, dst);
+    /// Where element `i` of a block sits in the accumulator between
+    /// passes (the kernel's own order; tests read and write it).
+    #[cfg(test)]
+    fn acc_index<T: Element>(self, i: usize) -> usize {
+        i
     }
 }
 
 /// The body of [`reduce_in_rank_order`]: each block of `out` is reduced
-/// over every rank before the next, in loops without branches per element
-/// (the op is chosen once per loop), which the compiler vectorises.
+/// over every rank before the next, ranks 0 and 1 in one pass, each later
+/// rank in one more, the last one's pass writing `out`: one pass in all
+/// for two ranks, none through memory of the accumulator.
 #[inline(always)]
 fn reduce_blocks<T: Element>(
-    conv: impl Convert,
+    k: impl Kernel,
     op: crate::Op,
     world: usize,
     part: impl Fn(usize, usize, &mut [u8]),
     out: &mut [T],
 ) {
-    use crate::Op;
-    const BLOCK: usize = 512;
+    if world == 0 {
+        // No partials: nothing to read (callers pass their world size).
+        return;
+    }
     let size = std::mem::size_of::<T>();
-    let mut acc = [0.0f32; BLOCK];
-    let mut wide = [0.0f32; BLOCK];
-    // One block of raw partial bytes, f32-aligned so that the slice
-    // conversions see aligned 16-bit elements.
-    let mut raw = [0.0f32; BLOCK];
-    for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
-        let at = b * BLOCK * size;
-        let n = chunk.len();
-        let len = std::mem::size_of_val(chunk);
-        for r in 0..world {
-            let dst = if r == 0 {
-                &mut acc[..n]
-            } else {
-                &mut wide[..n]
-            };
-            if T::DTYPE == Dtype::F32 {
-                // f32 widens to itself: copy straight into place (sealed:
-                // only `f32` has this dtype).
-                part(r, at, bytemuck::cast_slice_mut(dst));
-            } else {
-                let bytes = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut raw)[..len];
-                part(r, at, bytes);
-                conv.widen::<T>(bytes, dst);
-            }
-            let (acc, wide) = (&mut acc[..n], &wide[..n]);
-            match op {
-                Op::Sum | Op::Avg if r > 0 => {
-                    for (a, w) in acc.iter_mut().zip(wide) {
-                        *a += *w;
-                    }
-                }
-                Op::Max if r > 0 => {
-                    for (a, w) in acc.iter_mut().zip(wide) {
-                        *a = Op::Max.combine(*a, *w);
-                    }
-                }
-                Op::Min if r > 0 => {
-                    for (a, w) in acc.iter_mut().zip(wide) {
-                        *a = Op::Min.combine(*a, *w);
-                    }
-                }
-                Op::Sum | Op::Avg => {}
-                Op::Max | Op::Min => {
-                    // Rank 0's value as the first operand; a NaN made
-                    // canonical (max/min's rule; as the kernel's start at
-                    // ∓inf does).
-                    for a in acc.iter_mut() {
-                        *a = op.combine(*a, *a);
-                    }
-                }
-            }
+    let (mut acc, mut a, mut b) = (Block::ZERO, Block::ZERO, Block::ZERO);
+    for (i, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let at = i * BLOCK * size;
+        let (n, len) = (chunk.len(), std::mem::size_of_val(chunk));
+        part(0, at, a.bytes_mut(len));
+        if world == 1 {
+            k.pass(op, world, n, Some(&a), None, &mut acc, Some(chunk));
+            continue;
         }
-        if op == Op::Avg {
-            for a in &mut acc[..n] {
-                *a = op.finish(*a, world);
-            }
+        part(1, at, b.bytes_mut(len));
+        if world == 2 {
+            k.pass(op, world, n, Some(&a), Some(&b), &mut acc, Some(chunk));
+            continue;
         }
-        conv.narrow(&acc[..n], chunk);
+        k.pass::<T>(op, world, n, Some(&a), Some(&b), &mut acc, None);
+        for r in 2..world {
+            part(r, at, a.bytes_mut(len));
+            let out = (r + 1 == world).then_some(&mut *chunk);
+            k.pass(op, world, n, None, Some(&a), &mut acc, out);
+        }
     }
 }
 
-/// f16 conversions by F16C instructions, 8 elements each, inline in
-/// [`reduce_avx2`]. `half`'s slice conversions run the same instructions
-/// (so give the same bits) but through a call per 8 elements, which cannot
-/// be inlined into code not compiled for F16C, as arx's baseline is not.
+/// The element type's own slice conversions ([`Element::widen`],
+/// [`Element::narrow`]) and loops of [`crate::Op`]'s per-element steps
+/// without branches per element (the op is chosen once per loop), which
+/// the compiler vectorises: for any CPU.
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl Portable {
+    /// `dst[i] = dst[i] ∘ widen(src[i])`, in pieces through a small buffer
+    /// (the widening is a slice conversion).
+    #[inline(always)]
+    fn combine<T: Element>(op: crate::Op, src: &[u8], dst: &mut [f32]) {
+        use crate::Op;
+        const PIECE: usize = 64;
+        let size = std::mem::size_of::<T>();
+        let mut wide = [0.0f32; PIECE];
+        for (acc, raw) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE * size)) {
+            let wide = &mut wide[..acc.len()];
+            Portable::widen::<T>(raw, wide);
+            match op {
+                Op::Sum | Op::Avg => {
+                    for (a, w) in acc.iter_mut().zip(&*wide) {
+                        *a += *w;
+                    }
+                }
+                Op::Max => {
+                    for (a, w) in acc.iter_mut().zip(&*wide) {
+                        *a = Op::Max.combine(*a, *w);
+                    }
+                }
+                Op::Min => {
+                    for (a, w) in acc.iter_mut().zip(&*wide) {
+                        *a = Op::Min.combine(*a, *w);
+                    }
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn widen<T: Element>(src: &[u8], dst: &mut [f32]) {
+        if T::DTYPE == Dtype::F32 {
+            // f32 widens to itself (sealed: only `f32` has this dtype).
+            dst.copy_from_slice(bytemuck::cast_slice(src));
+        } else {
+            T::widen(src, dst);
+        }
+    }
+}
+
+impl Kernel for Portable {
+    #[inline(always)]
+    fn pass<T: Element>(
+        self,
+        op: crate::Op,
+        world: usize,
+        n: usize,
+        first: Option<&Block>,
+        next: Option<&Block>,
+        acc: &mut Block,
+        out: Option<&mut [T]>,
+    ) {
+        use crate::Op;
+        let len = n * std::mem::size_of::<T>();
+        let acc = acc.f32s_mut(n);
+        if let Some(a) = first {
+            Portable::widen::<T>(a.bytes(len), acc);
+        }
+        match next {
+            Some(b) => Portable::combine::<T>(op, b.bytes(len), acc),
+            None if matches!(op, Op::Max | Op::Min) => {
+                for a in acc.iter_mut() {
+                    *a = op.combine(*a, *a);
+                }
+            }
+            None => {}
+        }
+        if let Some(out) = out {
+            if op == Op::Avg {
+                for a in acc.iter_mut() {
+                    *a = op.finish(*a, world);
+                }
+            }
+            T::narrow(acc, out);
+        }
+    }
+}
+
+/// The passes as explicit AVX2 code, inline in [`reduce_avx2`], 16
+/// elements (two registers of 8 f32) at a time: per group one load and
+/// widening per rank, the op, its last step and the rounding fused into
+/// the pass, so that no block is written and read back between them.
+/// (The compiler does not fuse slice loops across these steps, and
+/// `half`'s conversions are a call per element (bf16) or per 8 (f16).)
+///
+/// bf16 is widened without a shuffle: of 16 elements loaded as 8 32-bit
+/// lanes, each lane's upper element is an f32 once its low half is
+/// cleared, its lower one once shifted up by 16; so the group's first
+/// register holds the even-numbered elements and the second the odd ones,
+/// and the rounding puts each back in its half of the lane. The order of
+/// elements inside a group does not matter between the two: every step
+/// works per lane.
 #[cfg(target_arch = "x86_64")]
-mod f16c {
+mod avx2 {
     use std::arch::x86_64::{
-        __m128i, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
-        _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+        __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_ps,
+        _mm256_and_si256, _mm256_blend_epi16, _mm256_blendv_epi8, _mm256_blendv_ps,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps,
+        _mm256_cvtps_ph, _mm256_div_ps, _mm256_load_ps, _mm256_loadu_ps, _mm256_loadu_si256,
+        _mm256_max_ps, _mm256_min_ps, _mm256_movemask_ps, _mm256_or_ps, _mm256_or_si256,
+        _mm256_set1_epi32, _mm256_set1_ps, _mm256_slli_epi32, _mm256_srli_epi32,
+        _mm256_store_ps, _mm256_storeu_ps, _mm256_storeu_si256, _mm_loadu_si128,
+        _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
     };
 
-    use super::{Convert, Dtype, Element};
+    use super::{Block, Dtype, Element, Kernel, GROUP};
+    use crate::abi::{ARX_OP_AVG, ARX_OP_MAX, ARX_OP_MIN, ARX_OP_SUM};
+    use crate::op::CANONICAL_NAN_BITS;
 
     /// Proof that the CPU has AVX2 and F16C: only [`Cpu::detect`] makes one.
     #[derive(Clone, Copy)]
@@ -543,71 +654,347 @@ mod f16c {
         }
     }
 
-    /// 8 f16 (16 bytes, any alignment) widened into `d`.
+    /// A group's 16 values as f32, in two registers (bf16: even-numbered
+    /// elements, then odd-numbered; other dtypes: in order).
+    #[derive(Clone, Copy)]
+    struct X16(__m256, __m256);
+
+    /// 8 lanes of `bits`.
     #[inline(always)]
-    fn widen8(_: Cpu, h: &[u8; 16], d: &mut [f32; 8]) {
-        // SAFETY: the CPU has F16C and AVX (a `Cpu` exists); the unaligned
-        // load reads `h`'s 16 bytes, the store writes `d`'s 32.
-        unsafe {
-            let v = _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast::<__m128i>()));
-            _mm256_storeu_ps(d.as_mut_ptr(), v);
+    fn splat(_: Cpu, bits: u32) -> __m256i {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe { _mm256_set1_epi32(bits as i32) }
+    }
+
+    /// 8 lanes of the canonical NaN.
+    #[inline(always)]
+    fn canonical(cpu: Cpu) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe { _mm256_castsi256_ps(splat(cpu, CANONICAL_NAN_BITS)) }
+    }
+
+    /// A group widened exactly to f32: f32 loaded; f16 by F16C (the
+    /// instruction `half` runs: the same bits, a signalling NaN made
+    /// quiet); bf16 moved into the upper half of an f32 (the order: see
+    /// the module docs) but a signalling NaN left signalling: every pass
+    /// combines the value (an IEEE add makes it quiet; max and min give
+    /// the canonical NaN) or makes it the first operand ([`first`]: quiet
+    /// as well) before anything reads it.
+    #[inline(always)]
+    fn widen<T: Element>(cpu: Cpu, e: &[T; GROUP]) -> X16 {
+        let p = e.as_ptr();
+        match T::DTYPE {
+            // SAFETY: the CPU has AVX (a `Cpu` exists); the unaligned loads
+            // read `e`'s 64 bytes.
+            Dtype::F32 => unsafe {
+                let p = p.cast::<f32>();
+                X16(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+            },
+            // SAFETY: the CPU has F16C (a `Cpu` exists); the unaligned loads
+            // read `e`'s 32 bytes.
+            Dtype::F16 => unsafe {
+                let p = p.cast::<__m128i>();
+                X16(
+                    _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+                )
+            },
+            // SAFETY: the CPU has AVX2 (a `Cpu` exists); the unaligned load
+            // reads `e`'s 32 bytes.
+            Dtype::Bf16 => unsafe {
+                let x = _mm256_loadu_si256(p.cast::<__m256i>());
+                X16(
+                    _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
+                    _mm256_castsi256_ps(_mm256_and_si256(x, splat(cpu, 0xffff_0000))),
+                )
+            },
         }
     }
 
-    /// 8 f32 rounded to f16 into `d`, to nearest even (the immediate's
-    /// rounding, not MXCSR's).
+    /// f32 lanes rounded to bf16 in their upper half by
+    /// [`super::f32_to_bf16_bits`]'s rule: add 0x7fff plus the kept part's
+    /// lowest bit (ties to even; the largest finite values carry into
+    /// Inf). A NaN lane is wrong here: see [`narrow`].
     #[inline(always)]
-    fn narrow8(_: Cpu, f: &[f32; 8], d: &mut [u16; 8]) {
-        // SAFETY: the CPU has F16C and AVX (a `Cpu` exists); the unaligned
-        // load reads `f`'s 32 bytes, the store writes `d`'s 16.
+    fn round_bf16(cpu: Cpu, x: __m256i) -> __m256i {
+        // SAFETY: the CPU has AVX2 (a `Cpu` exists); no memory access.
         unsafe {
-            let v = _mm256_cvtps_ph(_mm256_loadu_ps(f.as_ptr()), _MM_FROUND_TO_NEAREST_INT);
-            _mm_storeu_si128(d.as_mut_ptr().cast::<__m128i>(), v);
+            let odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), splat(cpu, 1));
+            _mm256_add_epi32(x, _mm256_add_epi32(odd, splat(cpu, 0x7fff)))
         }
     }
 
-    impl Convert for Cpu {
-        #[inline(always)]
-        fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]) {
-            if T::DTYPE != Dtype::F16 {
-                return T::widen(src, dst);
-            }
-            let mut s = src.chunks_exact(16);
-            let mut d = dst.chunks_exact_mut(8);
-            for (s, d) in (&mut s).zip(&mut d) {
-                if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
-                    widen8(self, s, d);
+    /// A group rounded to `T` into `d`, to nearest even: f32 stored; f16
+    /// by F16C with the immediate's rounding (not MXCSR's), as `half`;
+    /// bf16 by [`round_bf16`], a NaN as its upper half with the quiet bit
+    /// set (sign and top payload kept).
+    #[inline(always)]
+    fn narrow<T: Element>(cpu: Cpu, v: X16, d: &mut [T; GROUP]) {
+        let p = d.as_mut_ptr();
+        match T::DTYPE {
+            // SAFETY: the CPU has AVX (a `Cpu` exists); the unaligned stores
+            // write `d`'s 64 bytes.
+            Dtype::F32 => unsafe {
+                let p = p.cast::<f32>();
+                _mm256_storeu_ps(p, v.0);
+                _mm256_storeu_ps(p.add(8), v.1);
+            },
+            // SAFETY: the CPU has F16C (a `Cpu` exists); the unaligned stores
+            // write `d`'s 32 bytes.
+            Dtype::F16 => unsafe {
+                let p = p.cast::<__m128i>();
+                _mm_storeu_si128(p, _mm256_cvtps_ph(v.0, _MM_FROUND_TO_NEAREST_INT));
+                _mm_storeu_si128(p.add(1), _mm256_cvtps_ph(v.1, _MM_FROUND_TO_NEAREST_INT));
+            },
+            Dtype::Bf16 => {
+                // SAFETY: the CPU has AVX2 (a `Cpu` exists); no memory
+                // access.
+                let (even, odd) = unsafe { (_mm256_castps_si256(v.0), _mm256_castps_si256(v.1)) };
+                let (mut e, mut o) = (round_bf16(cpu, even), round_bf16(cpu, odd));
+                // SAFETY: as above.
+                unsafe {
+                    // Rare: only then the select (a NaN in either register).
+                    let nan = _mm256_cmp_ps(v.0, v.1, _CMP_UNORD_Q);
+                    if _mm256_movemask_ps(nan) != 0 {
+                        let quiet = splat(cpu, 0x0040_0000);
+                        let nan = _mm256_castps_si256(_mm256_cmp_ps(v.0, v.0, _CMP_UNORD_Q));
+                        e = _mm256_blendv_epi8(e, _mm256_or_si256(even, quiet), nan);
+                        let nan = _mm256_castps_si256(_mm256_cmp_ps(v.1, v.1, _CMP_UNORD_Q));
+                        o = _mm256_blendv_epi8(o, _mm256_or_si256(odd, quiet), nan);
+                    }
+                }
+                // SAFETY: as above; the unaligned store writes `d`'s 32
+                // bytes.
+                unsafe {
+                    // Even elements' upper halves down into the lower ones,
+                    // odd elements' upper halves in place.
+                    let h = _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xaa);
+                    _mm256_storeu_si256(p.cast::<__m256i>(), h);
                 }
             }
-            let (s, d) = (s.remainder(), d.into_remainder());
-            if !d.is_empty() {
-                let (mut h, mut f) = ([0u8; 16], [0.0f32; 8]);
-                h[..s.len()].copy_from_slice(s);
-                widen8(self, &h, &mut f);
-                d.copy_from_slice(&f[..d.len()]);
+        }
+    }
+
+    /// `a ∘ b` by [`crate::Op::combine`]'s rule. Max: `vmaxps` gives the
+    /// larger of unequal numbers both ways round; of equal ones (±0) its
+    /// second operand, so ANDing both orders keeps +0 as the rule's AND of
+    /// the bits does (min: OR keeps −0); any NaN gives the canonical one.
+    #[inline(always)]
+    fn combine<const OP: u32>(cpu: Cpu, a: X16, b: X16) -> X16 {
+        X16(combine8::<OP>(cpu, a.0, b.0), combine8::<OP>(cpu, a.1, b.1))
+    }
+
+    /// [`combine`] of one register.
+    #[inline(always)]
+    fn combine8<const OP: u32>(cpu: Cpu, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe {
+            let r = match OP {
+                ARX_OP_MAX => _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a)),
+                ARX_OP_MIN => _mm256_or_ps(_mm256_min_ps(a, b), _mm256_min_ps(b, a)),
+                _ => return _mm256_add_ps(a, b),
+            };
+            _mm256_blendv_ps(r, canonical(cpu), _mm256_cmp_ps(a, b, _CMP_UNORD_Q))
+        }
+    }
+
+    /// `a` as the first operand: `a ∘ a` for max and min (a NaN made
+    /// canonical); `−0.0 + a` for sum and avg (the sum's identity: `a`
+    /// itself, a NaN made quiet).
+    #[inline(always)]
+    fn first<const OP: u32>(cpu: Cpu, a: X16) -> X16 {
+        match OP {
+            ARX_OP_MAX | ARX_OP_MIN => combine::<OP>(cpu, a, a),
+            _ => {
+                // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+                let zero = unsafe { _mm256_set1_ps(-0.0) };
+                combine::<OP>(cpu, X16(zero, zero), a)
+            }
+        }
+    }
+
+    /// [`crate::Op::finish`]: avg's one division by `world` (a NaN made
+    /// canonical); nothing for the others.
+    #[inline(always)]
+    fn finish<const OP: u32>(cpu: Cpu, a: X16, world: usize) -> X16 {
+        if OP != ARX_OP_AVG {
+            return a;
+        }
+        X16(avg8(cpu, a.0, world), avg8(cpu, a.1, world))
+    }
+
+    /// [`finish`] of one register, for avg.
+    #[inline(always)]
+    fn avg8(cpu: Cpu, a: __m256, world: usize) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe {
+            let q = _mm256_div_ps(a, _mm256_set1_ps(world as f32));
+            _mm256_blendv_ps(q, canonical(cpu), _mm256_cmp_ps(q, q, _CMP_UNORD_Q))
+        }
+    }
+
+    /// A pass's value per group, built from the types below (plain types
+    /// with inline methods rather than closures: a closure is a function
+    /// of its own, compiled without AVX, into which the intrinsics would
+    /// not inline).
+    trait Lanes: Copy {
+        /// The value of group `g`; `old`: the accumulator's group `g` when
+        /// the pass writes the accumulator in place.
+        fn get(self, cpu: Cpu, g: usize, old: X16) -> X16;
+    }
+
+    /// A raw partial's groups, widened.
+    #[derive(Clone, Copy)]
+    struct Wide<'a, T>(&'a [[T; GROUP]]);
+    /// The accumulator's groups, read (a pass into `out`).
+    #[derive(Clone, Copy)]
+    struct Acc<'a>(&'a [[f32; GROUP]]);
+    /// The accumulator's group in place (a pass into the accumulator).
+    #[derive(Clone, Copy)]
+    struct Old;
+    /// `A ∘ B` by the op.
+    #[derive(Clone, Copy)]
+    struct Combine<A, B, const OP: u32>(A, B);
+    /// `A` as the first operand.
+    #[derive(Clone, Copy)]
+    struct First<A, const OP: u32>(A);
+
+    impl<T: Element> Lanes for Wide<'_, T> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, _: X16) -> X16 {
+            widen(cpu, &self.0[g])
+        }
+    }
+    impl Lanes for Acc<'_> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, _: X16) -> X16 {
+            load(cpu, &self.0[g])
+        }
+    }
+    impl Lanes for Old {
+        #[inline(always)]
+        fn get(self, _: Cpu, _: usize, old: X16) -> X16 {
+            old
+        }
+    }
+    impl<A: Lanes, B: Lanes, const OP: u32> Lanes for Combine<A, B, OP> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, old: X16) -> X16 {
+            combine::<OP>(cpu, self.0.get(cpu, g, old), self.1.get(cpu, g, old))
+        }
+    }
+    impl<A: Lanes, const OP: u32> Lanes for First<A, OP> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, old: X16) -> X16 {
+            first::<OP>(cpu, self.0.get(cpu, g, old))
+        }
+    }
+
+    /// A group of the accumulator.
+    #[inline(always)]
+    fn load(_: Cpu, a: &[f32; GROUP]) -> X16 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); `a` is 64 bytes,
+        // 32-aligned (`Block`'s alignment, groups of 64 bytes).
+        unsafe { X16(_mm256_load_ps(a.as_ptr()), _mm256_load_ps(a.as_ptr().add(8))) }
+    }
+
+    /// Every group of `acc` ← `v`'s.
+    #[inline(always)]
+    fn into_acc(cpu: Cpu, acc: &mut [[f32; GROUP]], v: impl Lanes) {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let x = v.get(cpu, g, load(cpu, a));
+            // SAFETY: the CPU has AVX (a `Cpu` exists); `a` is 64 bytes,
+            // 32-aligned (see `load`).
+            unsafe {
+                _mm256_store_ps(a.as_mut_ptr(), x.0);
+                _mm256_store_ps(a.as_mut_ptr().add(8), x.1);
+            }
+        }
+    }
+
+    /// `out` ← `v`'s groups finished and narrowed; a last group shorter
+    /// than [`GROUP`] (`out`'s length is any) through a padded copy.
+    #[inline(always)]
+    fn into_out<T: Element, const OP: u32>(cpu: Cpu, world: usize, out: &mut [T], v: impl Lanes) {
+        let whole = out.len() / GROUP;
+        // Never read: only `Old` reads it, which no pass into `out` has.
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        let none = unsafe { X16(_mm256_set1_ps(0.0), _mm256_set1_ps(0.0)) };
+        let mut groups = out.chunks_exact_mut(GROUP);
+        for (g, d) in (&mut groups).enumerate() {
+            if let Ok(d) = d.try_into() {
+                narrow(cpu, finish::<OP>(cpu, v.get(cpu, g, none), world), d);
+            }
+        }
+        let tail = groups.into_remainder();
+        if !tail.is_empty() {
+            let mut pad = [<T as bytemuck::Zeroable>::zeroed(); GROUP];
+            let x = finish::<OP>(cpu, v.get(cpu, whole, none), world);
+            narrow(cpu, x, &mut pad);
+            tail.copy_from_slice(&pad[..tail.len()]);
+        }
+    }
+
+    /// [`Kernel::pass`] for one op (a constant: no choice per element).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn pass_op<T: Element, const OP: u32>(
+        cpu: Cpu,
+        world: usize,
+        n: usize,
+        first: Option<&Block>,
+        next: Option<&Block>,
+        acc: &mut Block,
+        out: Option<&mut [T]>,
+    ) {
+        let groups = n.div_ceil(GROUP);
+        let acc = &mut acc.0[..groups];
+        let a = first.map(|a| Wide(a.groups::<T>(groups)));
+        let b = next.map(|b| Wide(b.groups::<T>(groups)));
+        let w = world;
+        match (a, b, out) {
+            (Some(a), Some(b), Some(o)) => into_out::<T, OP>(cpu, w, o, Combine::<_, _, OP>(a, b)),
+            (None, Some(b), Some(o)) => {
+                into_out::<T, OP>(cpu, w, o, Combine::<_, _, OP>(Acc(acc), b))
+            }
+            (Some(a), None, Some(o)) => into_out::<T, OP>(cpu, w, o, First::<_, OP>(a)),
+            (None, None, Some(o)) => into_out::<T, OP>(cpu, w, o, First::<_, OP>(Acc(acc))),
+            (Some(a), Some(b), None) => into_acc(cpu, acc, Combine::<_, _, OP>(a, b)),
+            (None, Some(b), None) => into_acc(cpu, acc, Combine::<_, _, OP>(Old, b)),
+            (Some(a), None, None) => into_acc(cpu, acc, First::<_, OP>(a)),
+            (None, None, None) => into_acc(cpu, acc, First::<_, OP>(Old)),
+        }
+    }
+
+    impl Kernel for Cpu {
+        #[inline(always)]
+        fn pass<T: Element>(
+            self,
+            op: crate::Op,
+            world: usize,
+            n: usize,
+            first: Option<&Block>,
+            next: Option<&Block>,
+            acc: &mut Block,
+            out: Option<&mut [T]>,
+        ) {
+            use crate::Op;
+            let c = self;
+            match op {
+                Op::Sum => pass_op::<T, ARX_OP_SUM>(c, world, n, first, next, acc, out),
+                Op::Max => pass_op::<T, ARX_OP_MAX>(c, world, n, first, next, acc, out),
+                Op::Min => pass_op::<T, ARX_OP_MIN>(c, world, n, first, next, acc, out),
+                Op::Avg => pass_op::<T, ARX_OP_AVG>(c, world, n, first, next, acc, out),
             }
         }
 
-        #[inline(always)]
-        fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]) {
-            if T::DTYPE != Dtype::F16 {
-                return T::narrow(src, dst);
-            }
-            // Sealed: only `half::f16` has this dtype, 2 bytes.
-            let dst: &mut [u16] = bytemuck::cast_slice_mut(dst);
-            let mut s = src.chunks_exact(8);
-            let mut d = dst.chunks_exact_mut(8);
-            for (s, d) in (&mut s).zip(&mut d) {
-                if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
-                    narrow8(self, s, d);
-                }
-            }
-            let (s, d) = (s.remainder(), d.into_remainder());
-            if !d.is_empty() {
-                let (mut f, mut h) = ([0.0f32; 8], [0u16; 8]);
-                f[..s.len()].copy_from_slice(s);
-                narrow8(self, &f, &mut h);
-                d.copy_from_slice(&h[..d.len()]);
+        #[cfg(test)]
+        fn acc_index<T: Element>(self, i: usize) -> usize {
+            let (g, j) = (i / GROUP, i % GROUP);
+            match T::DTYPE {
+                // Even-numbered elements in the first register.
+                Dtype::Bf16 => g * GROUP + (j % 2) * 8 + j / 2,
+                _ => i,
             }
         }
     }
@@ -870,9 +1257,39 @@ mod tests {
         }
     }
 
+    /// `src` widened by `k`'s passes: a pass with nothing to combine (sum:
+    /// the value alone) into the accumulator, a block at a time.
+    fn widen_by<T: Element>(k: impl Kernel, src: &[u8], dst: &mut [f32]) {
+        let size = std::mem::size_of::<T>();
+        let (mut raw, mut acc) = (Block::ZERO, Block::ZERO);
+        for (s, d) in src.chunks(BLOCK * size).zip(dst.chunks_mut(BLOCK)) {
+            raw.bytes_mut(s.len()).copy_from_slice(s);
+            let op = crate::Op::Sum;
+            k.pass::<T>(op, 1, d.len(), Some(&raw), None, &mut acc, None);
+            let acc = acc.f32s_mut(BLOCK);
+            for (i, d) in d.iter_mut().enumerate() {
+                *d = acc[k.acc_index::<T>(i)];
+            }
+        }
+    }
+
+    /// `src` narrowed by `k`'s passes: from the accumulator, nothing to
+    /// combine (sum), into `dst`, a block at a time.
+    fn narrow_by<T: Element>(k: impl Kernel, src: &[f32], dst: &mut [T]) {
+        let mut acc = Block::ZERO;
+        for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
+            let a = acc.f32s_mut(BLOCK);
+            for (i, s) in s.iter().enumerate() {
+                a[k.acc_index::<T>(i)] = *s;
+            }
+            k.pass(crate::Op::Sum, 1, d.len(), None, None, &mut acc, Some(d));
+        }
+    }
+
     /// The conversions under test, by name: `half`'s one-element ones as
-    /// arx uses them, and the slice paths the reduction runs (portable,
-    /// unaligned, and F16C where the CPU has it).
+    /// arx uses them, the slice conversion on unaligned bytes, and the
+    /// passes of every kernel the CPU runs (portable, and AVX2+F16C where
+    /// the CPU has it).
     fn widen_paths<T: Element>(src: &[u16]) -> Vec<(&'static str, Vec<f32>)> {
         let bytes: &[u8] = bytemuck::cast_slice(src);
         let run = |f: &dyn Fn(&[u8], &mut [f32])| {
@@ -891,12 +1308,12 @@ mod tests {
                     }
                 }),
             ),
-            ("portable", run(&|b, d| Portable.widen::<T>(b, d))),
+            ("portable", run(&|b, d| widen_by::<T>(Portable, b, d))),
             ("portable unaligned", run(&|_, d| T::widen(&odd[1..], d))),
         ];
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = f16c::Cpu::detect() {
-            paths.push(("avx2+f16c", run(&|b, d| cpu.widen::<T>(b, d))));
+        if let Some(cpu) = avx2::Cpu::detect() {
+            paths.push(("avx2+f16c", run(&|b, d| widen_by::<T>(cpu, b, d))));
         }
         paths
     }
@@ -917,11 +1334,11 @@ mod tests {
                     }
                 }),
             ),
-            ("portable", run(&|s, d| Portable.narrow(s, d))),
+            ("portable", run(&|s, d| narrow_by(Portable, s, d))),
         ];
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = f16c::Cpu::detect() {
-            paths.push(("avx2+f16c", run(&|s, d| cpu.narrow(s, d))));
+        if let Some(cpu) = avx2::Cpu::detect() {
+            paths.push(("avx2+f16c", run(&|s, d| narrow_by(cpu, s, d))));
         }
         paths
     }
@@ -1196,5 +1613,37 @@ mod tests {
         // Rounding after every step would have lost both small terms.
         let stepwise = bf16::from_f32(bf16::from_f32(1.0 + 0.00390625).to_f32() + 0.00390625);
         assert_ne!(out[0], stepwise);
+    }
+}
+
+#[cfg(test)]
+mod tmp_bench {
+    use super::Element;
+    fn one<T: Element>(world: usize, op: crate::Op) {
+        let n = 65536;
+        let inputs: Vec<Vec<T>> = (0..world)
+            .map(|r| crate::verify::input::<T>(5, 0, r, n))
+            .collect();
+        let bytes: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+        let mut out = vec![T::from_f32(0.0); n];
+        let part = |r: usize, at: usize, dst: &mut [u8]| dst.copy_from_slice(&bytes[r][at..at + dst.len()]);
+        let mut best = f64::INFINITY;
+        for _ in 0..400 {
+            let t = std::time::Instant::now();
+            super::reduce_in_rank_order(op, world, &part, std::hint::black_box(&mut out));
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!("{:?} {op} world {world}: {:.3} ns/el", T::DTYPE, best / n as f64 * 1e9);
+    }
+    #[test]
+    #[ignore]
+    fn one_speed() {
+        for w in [2, 4] {
+            for op in [crate::Op::Sum, crate::Op::Max] {
+                one::<f32>(w, op);
+                one::<half::bf16>(w, op);
+                one::<half::f16>(w, op);
+            }
+        }
     }
 }
