@@ -384,11 +384,11 @@ impl Element for f32 {
 /// (max, min), or divides the sum once at the end (avg).
 ///
 /// On x86-64 CPUs with AVX2 and F16C (detected at run time) each pass over
-/// a block is explicit 8-lane AVX2 code ([`avx2`]); elsewhere the same
-/// steps run as slice loops the compiler vectorises for the CPU
-/// ([`Portable`]). The operations and their order are the same everywhere
-/// (IEEE adds and compares per lane, no fused multiply-add, conversions
-/// bit for bit), so the bits are too.
+/// a block is explicit AVX2 code ([`avx2`]); elsewhere the same steps run
+/// as slice loops the compiler vectorises for the CPU ([`Portable`]). The
+/// operations and their order are the same everywhere (IEEE adds and
+/// compares per lane, no fused multiply-add, conversions bit for bit), so
+/// the bits are too.
 pub(crate) fn reduce_in_rank_order<T: Element>(
     op: crate::Op,
     world: usize,
@@ -564,11 +564,11 @@ impl Portable {
 
     #[inline(always)]
     fn widen<T: Element>(src: &[u8], dst: &mut [f32]) {
-        if T::DTYPE == Dtype::F32 {
-            // f32 widens to itself (sealed: only `f32` has this dtype).
-            dst.copy_from_slice(bytemuck::cast_slice(src));
-        } else {
-            T::widen(src, dst);
+        match bytemuck::try_cast_slice(src) {
+            // f32 widens to itself (sealed: only `f32` has this dtype); a
+            // block's bytes are f32-aligned.
+            Ok(f) if T::DTYPE == Dtype::F32 => dst.copy_from_slice(f),
+            _ => T::widen(src, dst),
         }
     }
 }
@@ -628,15 +628,17 @@ impl Kernel for Portable {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::{
-        __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_ps,
-        _mm256_and_si256, _mm256_blend_epi16, _mm256_blendv_epi8, _mm256_blendv_ps,
-        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps,
-        _mm256_cvtps_ph, _mm256_div_ps, _mm256_load_ps, _mm256_loadu_ps, _mm256_loadu_si256,
-        _mm256_max_ps, _mm256_min_ps, _mm256_movemask_ps, _mm256_or_ps, _mm256_or_si256,
-        _mm256_set1_epi32, _mm256_set1_ps, _mm256_slli_epi32, _mm256_srli_epi32,
-        _mm256_store_ps, _mm256_storeu_ps, _mm256_storeu_si256, _mm_loadu_si128,
-        _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
+        __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_ps, _mm256_and_si256,
+        _mm256_blend_epi16, _mm256_blendv_epi8, _mm256_blendv_ps, _mm256_castps_si256,
+        _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_div_ps,
+        _mm256_load_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_max_ps, _mm256_min_ps,
+        _mm256_movemask_ps, _mm256_or_ps, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_ps,
+        _mm256_slli_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm256_storeu_ps,
+        _mm256_storeu_si256, _mm_loadu_si128, _mm_storeu_si128, _CMP_UNORD_Q,
+        _MM_FROUND_TO_NEAREST_INT,
     };
+
+    use std::marker::PhantomData;
 
     use super::{Block, Dtype, Element, Kernel, GROUP};
     use crate::abi::{ARX_OP_AVG, ARX_OP_MAX, ARX_OP_MIN, ARX_OP_SUM};
@@ -676,10 +678,11 @@ mod avx2 {
     /// A group widened exactly to f32: f32 loaded; f16 by F16C (the
     /// instruction `half` runs: the same bits, a signalling NaN made
     /// quiet); bf16 moved into the upper half of an f32 (the order: see
-    /// the module docs) but a signalling NaN left signalling: every pass
+    /// the module docs), but a signalling NaN left signalling: every pass
     /// combines the value (an IEEE add makes it quiet; max and min give
     /// the canonical NaN) or makes it the first operand ([`first`]: quiet
-    /// as well) before anything reads it.
+    /// as well) before anything else reads it, so the quieting of
+    /// [`super::bf16_bits_to_f32`] would be a step for nothing.
     #[inline(always)]
     fn widen<T: Element>(cpu: Cpu, e: &[T; GROUP]) -> X16 {
         let p = e.as_ptr();
@@ -799,17 +802,19 @@ mod avx2 {
     }
 
     /// `a` as the first operand: `a ∘ a` for max and min (a NaN made
-    /// canonical); `−0.0 + a` for sum and avg (the sum's identity: `a`
-    /// itself, a NaN made quiet).
+    /// canonical); for sum and avg `a` itself, a bf16 NaN made quiet (as
+    /// the portable widening does; see [`widen`]) by `−0.0 + a`, the sum's
+    /// identity.
     #[inline(always)]
-    fn first<const OP: u32>(cpu: Cpu, a: X16) -> X16 {
+    fn first<T: Element, const OP: u32>(cpu: Cpu, a: X16) -> X16 {
         match OP {
             ARX_OP_MAX | ARX_OP_MIN => combine::<OP>(cpu, a, a),
-            _ => {
+            _ if T::DTYPE == Dtype::Bf16 => {
                 // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
                 let zero = unsafe { _mm256_set1_ps(-0.0) };
                 combine::<OP>(cpu, X16(zero, zero), a)
             }
+            _ => a,
         }
     }
 
@@ -855,9 +860,9 @@ mod avx2 {
     /// `A ∘ B` by the op.
     #[derive(Clone, Copy)]
     struct Combine<A, B, const OP: u32>(A, B);
-    /// `A` as the first operand.
+    /// `A` as the first operand, of dtype `T`.
     #[derive(Clone, Copy)]
-    struct First<A, const OP: u32>(A);
+    struct First<A, T, const OP: u32>(A, PhantomData<T>);
 
     impl<T: Element> Lanes for Wide<'_, T> {
         #[inline(always)]
@@ -883,10 +888,10 @@ mod avx2 {
             combine::<OP>(cpu, self.0.get(cpu, g, old), self.1.get(cpu, g, old))
         }
     }
-    impl<A: Lanes, const OP: u32> Lanes for First<A, OP> {
+    impl<A: Lanes, T: Element, const OP: u32> Lanes for First<A, T, OP> {
         #[inline(always)]
         fn get(self, cpu: Cpu, g: usize, old: X16) -> X16 {
-            first::<OP>(cpu, self.0.get(cpu, g, old))
+            first::<T, OP>(cpu, self.0.get(cpu, g, old))
         }
     }
 
@@ -895,7 +900,12 @@ mod avx2 {
     fn load(_: Cpu, a: &[f32; GROUP]) -> X16 {
         // SAFETY: the CPU has AVX (a `Cpu` exists); `a` is 64 bytes,
         // 32-aligned (`Block`'s alignment, groups of 64 bytes).
-        unsafe { X16(_mm256_load_ps(a.as_ptr()), _mm256_load_ps(a.as_ptr().add(8))) }
+        unsafe {
+            X16(
+                _mm256_load_ps(a.as_ptr()),
+                _mm256_load_ps(a.as_ptr().add(8)),
+            )
+        }
     }
 
     /// Every group of `acc` ← `v`'s.
@@ -935,6 +945,15 @@ mod avx2 {
         }
     }
 
+    /// The accumulator's first `out.len()` values narrowed into `out`, as
+    /// a pass's last step but alone (no first operand's rule): the tests'
+    /// view of [`narrow`] on values no pass would hand it (signalling
+    /// NaNs).
+    #[cfg(test)]
+    pub(super) fn narrow_only<T: Element>(cpu: Cpu, acc: &Block, out: &mut [T]) {
+        into_out::<T, ARX_OP_SUM>(cpu, 1, out, Acc(&acc.0));
+    }
+
     /// [`Kernel::pass`] for one op (a constant: no choice per element).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
@@ -957,12 +976,16 @@ mod avx2 {
             (None, Some(b), Some(o)) => {
                 into_out::<T, OP>(cpu, w, o, Combine::<_, _, OP>(Acc(acc), b))
             }
-            (Some(a), None, Some(o)) => into_out::<T, OP>(cpu, w, o, First::<_, OP>(a)),
-            (None, None, Some(o)) => into_out::<T, OP>(cpu, w, o, First::<_, OP>(Acc(acc))),
+            (Some(a), None, Some(o)) => {
+                into_out::<T, OP>(cpu, w, o, First::<_, T, OP>(a, PhantomData))
+            }
+            (None, None, Some(o)) => {
+                into_out::<T, OP>(cpu, w, o, First::<_, T, OP>(Acc(acc), PhantomData))
+            }
             (Some(a), Some(b), None) => into_acc(cpu, acc, Combine::<_, _, OP>(a, b)),
             (None, Some(b), None) => into_acc(cpu, acc, Combine::<_, _, OP>(Old, b)),
-            (Some(a), None, None) => into_acc(cpu, acc, First::<_, OP>(a)),
-            (None, None, None) => into_acc(cpu, acc, First::<_, OP>(Old)),
+            (Some(a), None, None) => into_acc(cpu, acc, First::<_, T, OP>(a, PhantomData)),
+            (None, None, None) => into_acc(cpu, acc, First::<_, T, OP>(Old, PhantomData)),
         }
     }
 
@@ -1273,17 +1296,30 @@ mod tests {
         }
     }
 
-    /// `src` narrowed by `k`'s passes: from the accumulator, nothing to
-    /// combine (sum), into `dst`, a block at a time.
-    fn narrow_by<T: Element>(k: impl Kernel, src: &[f32], dst: &mut [T]) {
+    /// `src` narrowed a block at a time by `f(acc, out)`, the block's
+    /// values placed in the accumulator in `k`'s order.
+    fn narrow_by<T: Element>(
+        k: impl Kernel,
+        f: impl Fn(&mut Block, &mut [T]),
+        src: &[f32],
+        dst: &mut [T],
+    ) {
         let mut acc = Block::ZERO;
         for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
             let a = acc.f32s_mut(BLOCK);
             for (i, s) in s.iter().enumerate() {
                 a[k.acc_index::<T>(i)] = *s;
             }
-            k.pass(crate::Op::Sum, 1, d.len(), None, None, &mut acc, Some(d));
+            f(&mut acc, d);
         }
+    }
+
+    /// By `k`'s pass from the accumulator with nothing to combine (sum).
+    fn narrow_pass<T: Element>(k: impl Kernel, src: &[f32], dst: &mut [T]) {
+        let pass = |acc: &mut Block, d: &mut [T]| {
+            k.pass(crate::Op::Sum, 1, d.len(), None, None, acc, Some(d));
+        };
+        narrow_by(k, pass, src, dst);
     }
 
     /// The conversions under test, by name: `half`'s one-element ones as
@@ -1334,11 +1370,13 @@ mod tests {
                     }
                 }),
             ),
-            ("portable", run(&|s, d| narrow_by(Portable, s, d))),
+            ("portable", run(&|s, d| narrow_pass(Portable, s, d))),
         ];
         #[cfg(target_arch = "x86_64")]
         if let Some(cpu) = avx2::Cpu::detect() {
-            paths.push(("avx2+f16c", run(&|s, d| narrow_by(cpu, s, d))));
+            paths.push(("avx2+f16c", run(&|s, d| narrow_pass(cpu, s, d))));
+            let alone = |acc: &mut Block, d: &mut [T]| avx2::narrow_only(cpu, acc, d);
+            paths.push(("avx2+f16c alone", run(&|s, d| narrow_by(cpu, alone, s, d))));
         }
         paths
     }
@@ -1555,6 +1593,146 @@ mod tests {
         check::<f16>();
     }
 
+    /// Rank `r`'s partial of `n` elements for [`every_path_on_every_length`]:
+    /// `verify::input_edges` (NaN on ranks 0 and 1, ±Inf, ±0, subnormals,
+    /// sums that overflow or cancel), and at every 7th element a NaN of a
+    /// random payload, signalling or quiet, on one rank in turn (the
+    /// others keep numbers there).
+    fn nan_payload_inputs<T: Element>(world: usize, r: usize, n: usize, seed: u64) -> Vec<T> {
+        let mut v = crate::verify::input_edges::<T>(seed, world as u64, r, n);
+        let mut x = seed ^ 0x9e37_79b9_7f4a_7c15 ^ n as u64;
+        for (i, e) in v.iter_mut().enumerate() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if i % 7 != 3 {
+                continue;
+            }
+            let mine = (i / 7) % world == r;
+            let nan = match T::DTYPE {
+                Dtype::Bf16 => u32::from(0x7f81 | (x as u16 & 0x807f)),
+                Dtype::F16 => u32::from(0x7c01 | (x as u16 & 0x83ff)),
+                Dtype::F32 => 0x7f80_0001 | (x as u32 & 0x807f_ffff),
+            };
+            *e = match (mine, T::DTYPE) {
+                (false, _) => crate::verify::round_to(((i % 13) as f32 - 6.0) * 0.75),
+                (true, Dtype::F32) => bytemuck::pod_read_unaligned(&nan.to_ne_bytes()),
+                (true, _) => bytemuck::pod_read_unaligned(&(nan as u16).to_ne_bytes()),
+            };
+        }
+        v
+    }
+
+    /// The element's bits as a u32.
+    fn bits32<T: Element>(v: &T) -> u32 {
+        let b = bytemuck::bytes_of(v);
+        match b.len() {
+            2 => u32::from(u16::from_ne_bytes([b[0], b[1]])),
+            _ => u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+
+    /// Every path (portable; AVX2+F16C where the CPU has it) on every dtype
+    /// and op, 1 to 16 ranks, lengths of every tail modulo a group and
+    /// across blocks (up to 4 ranks; two lengths beyond), the output slice one element into its buffer (not
+    /// aligned as a vector) between two poisoned guards: equals
+    /// `verify::reference_op` (sum's NaN: a NaN), the guards stay
+    /// untouched, and a sum with one NaN input among numbers is exactly
+    /// that NaN made quiet, its payload kept (the widening and rounding
+    /// keep it; an add makes it quiet; f32 from one rank is not touched).
+    #[test]
+    fn every_path_on_every_length() {
+        fn check<T: Element>(lengths: &[usize]) {
+            let quiet = match T::DTYPE {
+                Dtype::Bf16 => 0x0040,
+                Dtype::F16 => 0x0200,
+                Dtype::F32 => 0x0040_0000,
+            };
+            type Reduce<T> = Box<dyn Fn(crate::Op, usize, &[&[u8]], &mut [T])>;
+            let mut paths: Vec<(&str, Reduce<T>)> = vec![(
+                "portable",
+                Box::new(|op, world, b: &[&[u8]], out: &mut [T]| {
+                    reduce_blocks(Portable, op, world, from_slices(b), out)
+                }),
+            )];
+            #[cfg(target_arch = "x86_64")]
+            if let Some(cpu) = avx2::Cpu::detect() {
+                paths.push((
+                    "avx2+f16c",
+                    Box::new(move |op, world, b: &[&[u8]], out: &mut [T]| {
+                        // SAFETY: the CPU has AVX2 and F16C (`cpu` exists).
+                        unsafe { reduce_avx2(cpu, op, world, from_slices(b), out) }
+                    }),
+                ));
+            }
+            for world in 1..=16 {
+                // One rank, two, and three or more pass through different
+                // steps (see `reduce_blocks`); more ranks only add passes.
+                let lengths = if world <= 4 { lengths } else { &[17, 513] };
+                for (k, &n) in lengths.iter().enumerate() {
+                    let seed = (world * 1000 + k) as u64;
+                    let inputs: Vec<Vec<T>> = (0..world)
+                        .map(|r| nan_payload_inputs::<T>(world, r, n, seed))
+                        .collect();
+                    let bytes: Vec<&[u8]> =
+                        inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+                    for op in crate::Op::ALL {
+                        let want = crate::verify::reference_op(op, &inputs);
+                        for (name, reduce) in &paths {
+                            let mut buf = vec![T::from_f32(0.0); n + 2];
+                            crate::verify::poison(&mut buf);
+                            reduce(op, world, &bytes, &mut buf[1..=n]);
+                            let what =
+                                format!("{:?} {op} {name}, {world} ranks, {n} elements", T::DTYPE);
+                            let guard = bits32(&buf[0]);
+                            assert_eq!(guard, bits32(&buf[n + 1]), "{what}: a guard written");
+                            assert!(
+                                guard == 0xffff || guard == u32::MAX,
+                                "{what}: a guard written"
+                            );
+                            let got = &buf[1..=n];
+                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                assert_eq!(
+                                    crate::verify::count_wrong_op(op, &[*g], &[*w]),
+                                    0,
+                                    "{what}: element {i}: got {:#x}, want {:#x}",
+                                    bits32(g),
+                                    bits32(w)
+                                );
+                            }
+                            if op != crate::Op::Sum {
+                                continue;
+                            }
+                            for i in (3..n).step_by(7) {
+                                let r = (i / 7) % world;
+                                let nan = bits32(&inputs[r][i]);
+                                let others_numbers = inputs.iter().enumerate().all(|(q, v)| {
+                                    q == r || crate::verify::value_of(&v[i]).is_finite()
+                                });
+                                // f32 from one rank: no add, no widening.
+                                let want = match (world, T::DTYPE) {
+                                    (1, Dtype::F32) => nan,
+                                    _ => nan | quiet,
+                                };
+                                if others_numbers {
+                                    assert_eq!(
+                                        bits32(&got[i]),
+                                        want,
+                                        "{what}: element {i}, rank {r}'s NaN {nan:#x}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let lengths: Vec<usize> = (1..=33).chain([63, 64, 65, 511, 512, 513, 1040]).collect();
+        check::<bf16>(&lengths);
+        check::<f16>(&lengths);
+        check::<f32>(&lengths);
+    }
+
     /// The host-side reduction's speed, ns per output element (`cargo
     /// test --release --lib reduce_speed -- --ignored --nocapture`): the
     /// CPU cost of the sum that bf16/f16 calls pay over f32 ones. Prints
@@ -1626,14 +1804,20 @@ mod tmp_bench {
             .collect();
         let bytes: Vec<&[u8]> = inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
         let mut out = vec![T::from_f32(0.0); n];
-        let part = |r: usize, at: usize, dst: &mut [u8]| dst.copy_from_slice(&bytes[r][at..at + dst.len()]);
+        let part = |r: usize, at: usize, dst: &mut [u8]| {
+            dst.copy_from_slice(&bytes[r][at..at + dst.len()])
+        };
         let mut best = f64::INFINITY;
         for _ in 0..400 {
             let t = std::time::Instant::now();
             super::reduce_in_rank_order(op, world, &part, std::hint::black_box(&mut out));
             best = best.min(t.elapsed().as_secs_f64());
         }
-        println!("{:?} {op} world {world}: {:.3} ns/el", T::DTYPE, best / n as f64 * 1e9);
+        println!(
+            "{:?} {op} world {world}: {:.3} ns/el",
+            T::DTYPE,
+            best / n as f64 * 1e9
+        );
     }
     #[test]
     #[ignore]
