@@ -730,9 +730,13 @@ mod avx2 {
     /// A group rounded to `T` into `d`, to nearest even: f32 stored; f16
     /// by F16C with the immediate's rounding (not MXCSR's), as `half`;
     /// bf16 by [`round_bf16`], a NaN as its upper half with the quiet bit
-    /// set (sign and top payload kept).
+    /// set (sign and top payload kept) when `EXACT`. Without `EXACT` a bf16
+    /// NaN's bits are wrong: the lanes that were NaN are returned (set;
+    /// the two registers' ORed), for [`into_out`] to redo the pass.
     #[inline(always)]
-    fn narrow<T: Element>(cpu: Cpu, v: X16, d: &mut [T; GROUP]) {
+    fn narrow<T: Element, const EXACT: bool>(cpu: Cpu, v: X16, d: &mut [T; GROUP]) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        let mut nan = unsafe { _mm256_set1_ps(0.0) };
         let p = d.as_mut_ptr();
         match T::DTYPE {
             // SAFETY: the CPU has AVX (a `Cpu` exists); the unaligned stores
@@ -756,14 +760,14 @@ mod avx2 {
                 let (mut e, mut o) = (round_bf16(cpu, even), round_bf16(cpu, odd));
                 // SAFETY: as above.
                 unsafe {
-                    // Rare: only then the select (a NaN in either register).
-                    let nan = _mm256_cmp_ps(v.0, v.1, _CMP_UNORD_Q);
-                    if _mm256_movemask_ps(nan) != 0 {
+                    if EXACT {
                         let quiet = splat(cpu, 0x0040_0000);
-                        let nan = _mm256_castps_si256(_mm256_cmp_ps(v.0, v.0, _CMP_UNORD_Q));
-                        e = _mm256_blendv_epi8(e, _mm256_or_si256(even, quiet), nan);
-                        let nan = _mm256_castps_si256(_mm256_cmp_ps(v.1, v.1, _CMP_UNORD_Q));
-                        o = _mm256_blendv_epi8(o, _mm256_or_si256(odd, quiet), nan);
+                        let is = _mm256_castps_si256(_mm256_cmp_ps(v.0, v.0, _CMP_UNORD_Q));
+                        e = _mm256_blendv_epi8(e, _mm256_or_si256(even, quiet), is);
+                        let is = _mm256_castps_si256(_mm256_cmp_ps(v.1, v.1, _CMP_UNORD_Q));
+                        o = _mm256_blendv_epi8(o, _mm256_or_si256(odd, quiet), is);
+                    } else {
+                        nan = _mm256_cmp_ps(v.0, v.1, _CMP_UNORD_Q);
                     }
                 }
                 // SAFETY: as above; the unaligned store writes `d`'s 32
@@ -776,6 +780,7 @@ mod avx2 {
                 }
             }
         }
+        nan
     }
 
     /// `a ∘ b` by [`crate::Op::combine`]'s rule. Max: `vmaxps` gives the
@@ -922,27 +927,51 @@ mod avx2 {
         }
     }
 
-    /// `out` ← `v`'s groups finished and narrowed; a last group shorter
-    /// than [`GROUP`] (`out`'s length is any) through a padded copy.
+    /// `out` ← `v`'s groups finished and narrowed. First without a bf16
+    /// NaN's exact bits (the select per group costs a tenth of the pass);
+    /// if some value was a NaN, again with them: the pass only reads its
+    /// inputs, so it can be redone.
     #[inline(always)]
     fn into_out<T: Element, const OP: u32>(cpu: Cpu, world: usize, out: &mut [T], v: impl Lanes) {
+        if !into_out_as::<T, OP, false>(cpu, world, out, v) {
+            into_out_as::<T, OP, true>(cpu, world, out, v);
+        }
+    }
+
+    /// [`into_out`] with [`narrow`]'s `EXACT`: false if that was not
+    /// exact (a NaN lane without it). A last group shorter than [`GROUP`]
+    /// (`out`'s length is any) goes through a padded copy.
+    #[inline(always)]
+    fn into_out_as<T: Element, const OP: u32, const EXACT: bool>(
+        cpu: Cpu,
+        world: usize,
+        out: &mut [T],
+        v: impl Lanes,
+    ) -> bool {
         let whole = out.len() / GROUP;
-        // Never read: only `Old` reads it, which no pass into `out` has.
         // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
-        let none = unsafe { X16(_mm256_set1_ps(0.0), _mm256_set1_ps(0.0)) };
+        let zero = unsafe { _mm256_set1_ps(0.0) };
+        // Never read: only `Old` reads it, which no pass into `out` has.
+        let none = X16(zero, zero);
+        let mut nan = zero;
         let mut groups = out.chunks_exact_mut(GROUP);
         for (g, d) in (&mut groups).enumerate() {
             if let Ok(d) = d.try_into() {
-                narrow(cpu, finish::<OP>(cpu, v.get(cpu, g, none), world), d);
+                let x = finish::<OP>(cpu, v.get(cpu, g, none), world);
+                // SAFETY: as above.
+                nan = unsafe { _mm256_or_ps(nan, narrow::<T, EXACT>(cpu, x, d)) };
             }
         }
         let tail = groups.into_remainder();
         if !tail.is_empty() {
             let mut pad = [<T as bytemuck::Zeroable>::zeroed(); GROUP];
             let x = finish::<OP>(cpu, v.get(cpu, whole, none), world);
-            narrow(cpu, x, &mut pad);
+            // SAFETY: as above.
+            nan = unsafe { _mm256_or_ps(nan, narrow::<T, EXACT>(cpu, x, &mut pad)) };
             tail.copy_from_slice(&pad[..tail.len()]);
         }
+        // SAFETY: as above.
+        EXACT || unsafe { _mm256_movemask_ps(nan) } == 0
     }
 
     /// The accumulator's first `out.len()` values narrowed into `out`, as
