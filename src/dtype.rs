@@ -807,19 +807,26 @@ mod avx2 {
     }
 
     /// `a` as the first operand: `a ∘ a` for max and min (a NaN made
-    /// canonical); for sum and avg `a` itself, a bf16 NaN made quiet (as
-    /// the portable widening does; see [`widen`]) by `−0.0 + a`, the sum's
-    /// identity.
+    /// canonical); for sum and avg `a` itself, a bf16 NaN made quiet (bit
+    /// 22 set), so that the value is the portable widening's (see
+    /// [`widen`]). (Not by `−0.0 + a`, the sum's identity: the compiler
+    /// may fold that to `a`.)
     #[inline(always)]
     fn first<T: Element, const OP: u32>(cpu: Cpu, a: X16) -> X16 {
         match OP {
             ARX_OP_MAX | ARX_OP_MIN => combine::<OP>(cpu, a, a),
-            _ if T::DTYPE == Dtype::Bf16 => {
-                // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
-                let zero = unsafe { _mm256_set1_ps(-0.0) };
-                combine::<OP>(cpu, X16(zero, zero), a)
-            }
+            _ if T::DTYPE == Dtype::Bf16 => X16(quiet8(cpu, a.0), quiet8(cpu, a.1)),
             _ => a,
+        }
+    }
+
+    /// A NaN lane made quiet (bit 22 set), the others as they are.
+    #[inline(always)]
+    fn quiet8(cpu: Cpu, a: __m256) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe {
+            let bit = _mm256_castsi256_ps(splat(cpu, 0x0040_0000));
+            _mm256_or_ps(a, _mm256_and_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), bit))
         }
     }
 
@@ -1364,6 +1371,7 @@ mod tests {
         };
         let mut odd = vec![0u8; bytes.len() + 1];
         odd[1..].copy_from_slice(bytes);
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut paths = vec![
             (
                 "to_f32",
@@ -1390,6 +1398,7 @@ mod tests {
             f(src, &mut d);
             bytemuck::cast_slice::<T, u16>(&d).to_vec()
         };
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut paths = vec![
             (
                 "from_f32",
@@ -1678,6 +1687,7 @@ mod tests {
                 Dtype::F32 => 0x0040_0000,
             };
             type Reduce<T> = Box<dyn Fn(crate::Op, usize, &[&[u8]], &mut [T])>;
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
             let mut paths: Vec<(&str, Reduce<T>)> = vec![(
                 "portable",
                 Box::new(|op, world, b: &[&[u8]], out: &mut [T]| {
