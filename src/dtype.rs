@@ -385,10 +385,11 @@ impl Element for f32 {
 ///
 /// On x86-64 CPUs with AVX2 and F16C (detected at run time) each pass over
 /// a block is explicit AVX2 code ([`avx2`]); elsewhere the same steps run
-/// as slice loops the compiler vectorises for the CPU ([`Portable`]). The
-/// operations and their order are the same everywhere (IEEE adds and
-/// compares per lane, no fused multiply-add, conversions bit for bit), so
-/// the bits are too.
+/// as slice loops the compiler vectorises for the CPU ([`Portable`]). Both
+/// compute every element by the same rule (rank order, IEEE f32 adds, the
+/// op's comparison rule, no fused multiply-add, conversions bit for bit),
+/// so the bits are the same (the tests hold every path to an independent
+/// reference).
 pub(crate) fn reduce_in_rank_order<T: Element>(
     op: crate::Op,
     world: usize,
@@ -731,8 +732,8 @@ mod avx2 {
     /// by F16C with the immediate's rounding (not MXCSR's), as `half`;
     /// bf16 by [`round_bf16`], a NaN as its upper half with the quiet bit
     /// set (sign and top payload kept) when `EXACT`. Without `EXACT` a bf16
-    /// NaN's bits are wrong: the lanes that were NaN are returned (set;
-    /// the two registers' ORed), for [`into_out`] to redo the pass.
+    /// NaN's bits may be wrong: returned, a lane set where either register
+    /// had a NaN, for [`into_out`] to redo the pass.
     #[inline(always)]
     fn narrow<T: Element, const EXACT: bool>(cpu: Cpu, v: X16, d: &mut [T; GROUP]) -> __m256 {
         // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
