@@ -383,10 +383,13 @@ impl Element for f32 {
 /// `op` other than sum combines by [`crate::Op`]'s rule instead of adding
 /// (max, min), or divides the sum once at the end (avg).
 ///
-/// On x86-64 CPUs with AVX2 and F16C (detected at run time) the same code
-/// runs compiled for them ([`reduce_avx2`]). The operations and their
-/// order are the same everywhere (IEEE adds and compares per lane, no fused
-/// multiply-add, conversions bit for bit), so the bits are too.
+/// On x86-64 CPUs with AVX2 and F16C (detected at run time) each pass over
+/// a block is explicit AVX2 code ([`avx2`]); elsewhere the same steps run
+/// as slice loops the compiler vectorises for the CPU ([`Portable`]). Both
+/// compute every element by the same rule (rank order, IEEE f32 adds, the
+/// op's comparison rule, no fused multiply-add, conversions bit for bit),
+/// so the bits are the same (the tests hold every path to an independent
+/// reference).
 pub(crate) fn reduce_in_rank_order<T: Element>(
     op: crate::Op,
     world: usize,
@@ -394,7 +397,7 @@ pub(crate) fn reduce_in_rank_order<T: Element>(
     out: &mut [T],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if let Some(cpu) = f16c::Cpu::detect() {
+    if let Some(cpu) = avx2::Cpu::detect() {
         // SAFETY: the CPU has AVX2 and F16C (`cpu` exists), the only
         // features `reduce_avx2` is compiled for.
         unsafe { reduce_avx2(cpu, op, world, part, out) };
@@ -403,16 +406,15 @@ pub(crate) fn reduce_in_rank_order<T: Element>(
     reduce_blocks(Portable, op, world, part, out);
 }
 
-/// [`reduce_blocks`] compiled for AVX2 and F16C: 8 f32 lanes instead of
-/// x86-64's baseline SSE2's 4, and f16 conversions by F16C instructions
-/// inline ([`f16c::Cpu`]).
+/// [`reduce_blocks`] with the [`avx2`] passes, compiled for AVX2 and F16C
+/// so that their intrinsics inline.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_avx2<T: Element>(
-    cpu: f16c::Cpu,
+    cpu: avx2::Cpu,
     op: crate::Op,
     world: usize,
     part: impl Fn(usize, usize, &mut [u8]),
@@ -421,115 +423,227 @@ unsafe fn reduce_avx2<T: Element>(
     reduce_blocks(cpu, op, world, part, out);
 }
 
-/// How a block's elements widen to f32 and narrow back.
-trait Convert: Copy {
-    fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]);
-    fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]);
+/// Elements per block: every pass over a block stays in L1.
+const BLOCK: usize = 512;
+/// Elements per group: what the [`avx2`] passes take at a time (two AVX
+/// registers of f32).
+const GROUP: usize = 16;
+
+/// A block of f32 (the accumulator), or of one rank's raw partial bytes
+/// (any dtype: at most 4 bytes an element), in groups, aligned for the
+/// vector loads. Bytes past a short last block's end hold stale values:
+/// lanes computed from them are never written out.
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Block([[f32; GROUP]; BLOCK / GROUP]);
+
+impl Block {
+    const ZERO: Block = Block([[0.0; GROUP]; BLOCK / GROUP]);
+
+    fn f32s_mut(&mut self, n: usize) -> &mut [f32] {
+        &mut bytemuck::cast_slice_mut(&mut self.0[..])[..n]
+    }
+    fn bytes(&self, len: usize) -> &[u8] {
+        &bytemuck::cast_slice(&self.0[..])[..len]
+    }
+    fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.0[..])[..len]
+    }
+    /// The raw partial as `groups` groups of elements of `T`.
+    #[cfg(target_arch = "x86_64")]
+    fn groups<T: Element>(&self, groups: usize) -> &[[T; GROUP]] {
+        &bytemuck::cast_slice(&self.0[..])[..groups]
+    }
 }
 
-/// The element type's own slice conversions ([`Element::widen`],
-/// [`Element::narrow`]), for any CPU.
-#[derive(Clone, Copy)]
-struct Portable;
+/// One pass of the reduction over a block of `n` elements. Its value per
+/// element is `a ∘ widen(next)` (by the op's rule) where `a` is
+/// `widen(first)`, or the accumulator's when `first` is `None`; without
+/// `next`, `a` alone as the first operand (max, min: a NaN made
+/// canonical). Then that value goes into `out` (the op's last step, then
+/// one rounding to `T`) when given, else into the accumulator. (The
+/// accumulator may be left changed either way.)
+trait Kernel: Copy {
+    #[allow(clippy::too_many_arguments)]
+    fn pass<T: Element>(
+        self,
+        op: crate::Op,
+        world: usize,
+        n: usize,
+        first: Option<&Block>,
+        next: Option<&Block>,
+        acc: &mut Block,
+        out: Option<&mut [T]>,
+    );
 
-impl Convert for Portable {
-    #[inline(always)]
-    fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]) {
-        T::widen(src, dst);
-    }
-    #[inline(always)]
-    fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]) {
-        T::narrow(src, dst);
+    /// Where element `i` of a block sits in the accumulator between
+    /// passes (the kernel's own order; tests read and write it).
+    #[cfg(test)]
+    fn acc_index<T: Element>(self, i: usize) -> usize {
+        i
     }
 }
 
 /// The body of [`reduce_in_rank_order`]: each block of `out` is reduced
-/// over every rank before the next, in loops without branches per element
-/// (the op is chosen once per loop), which the compiler vectorises.
+/// over every rank before the next, ranks 0 and 1 in one pass, each later
+/// rank in one more, the last one's pass writing `out`: one pass in all
+/// for two ranks, none through memory of the accumulator.
 #[inline(always)]
 fn reduce_blocks<T: Element>(
-    conv: impl Convert,
+    k: impl Kernel,
     op: crate::Op,
     world: usize,
     part: impl Fn(usize, usize, &mut [u8]),
     out: &mut [T],
 ) {
-    use crate::Op;
-    const BLOCK: usize = 512;
+    if world == 0 {
+        // No partials: nothing to read (callers pass their world size).
+        return;
+    }
     let size = std::mem::size_of::<T>();
-    let mut acc = [0.0f32; BLOCK];
-    let mut wide = [0.0f32; BLOCK];
-    // One block of raw partial bytes, f32-aligned so that the slice
-    // conversions see aligned 16-bit elements.
-    let mut raw = [0.0f32; BLOCK];
-    for (b, chunk) in out.chunks_mut(BLOCK).enumerate() {
-        let at = b * BLOCK * size;
-        let n = chunk.len();
-        let len = std::mem::size_of_val(chunk);
-        for r in 0..world {
-            let dst = if r == 0 {
-                &mut acc[..n]
-            } else {
-                &mut wide[..n]
-            };
-            if T::DTYPE == Dtype::F32 {
-                // f32 widens to itself: copy straight into place (sealed:
-                // only `f32` has this dtype).
-                part(r, at, bytemuck::cast_slice_mut(dst));
-            } else {
-                let bytes = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut raw)[..len];
-                part(r, at, bytes);
-                conv.widen::<T>(bytes, dst);
-            }
-            let (acc, wide) = (&mut acc[..n], &wide[..n]);
-            match op {
-                Op::Sum | Op::Avg if r > 0 => {
-                    for (a, w) in acc.iter_mut().zip(wide) {
-                        *a += *w;
-                    }
-                }
-                Op::Max if r > 0 => {
-                    for (a, w) in acc.iter_mut().zip(wide) {
-                        *a = Op::Max.combine(*a, *w);
-                    }
-                }
-                Op::Min if r > 0 => {
-                    for (a, w) in acc.iter_mut().zip(wide) {
-                        *a = Op::Min.combine(*a, *w);
-                    }
-                }
-                Op::Sum | Op::Avg => {}
-                Op::Max | Op::Min => {
-                    // Rank 0's value as the first operand; a NaN made
-                    // canonical (max/min's rule; as the kernel's start at
-                    // ∓inf does).
-                    for a in acc.iter_mut() {
-                        *a = op.combine(*a, *a);
-                    }
-                }
-            }
+    let (mut acc, mut a, mut b) = (Block::ZERO, Block::ZERO, Block::ZERO);
+    for (i, chunk) in out.chunks_mut(BLOCK).enumerate() {
+        let at = i * BLOCK * size;
+        let (n, len) = (chunk.len(), std::mem::size_of_val(chunk));
+        part(0, at, a.bytes_mut(len));
+        if world == 1 {
+            k.pass(op, world, n, Some(&a), None, &mut acc, Some(chunk));
+            continue;
         }
-        if op == Op::Avg {
-            for a in &mut acc[..n] {
-                *a = op.finish(*a, world);
-            }
+        part(1, at, b.bytes_mut(len));
+        if world == 2 {
+            k.pass(op, world, n, Some(&a), Some(&b), &mut acc, Some(chunk));
+            continue;
         }
-        conv.narrow(&acc[..n], chunk);
+        k.pass::<T>(op, world, n, Some(&a), Some(&b), &mut acc, None);
+        for r in 2..world {
+            part(r, at, a.bytes_mut(len));
+            let out = (r + 1 == world).then_some(&mut *chunk);
+            k.pass(op, world, n, None, Some(&a), &mut acc, out);
+        }
     }
 }
 
-/// f16 conversions by F16C instructions, 8 elements each, inline in
-/// [`reduce_avx2`]. `half`'s slice conversions run the same instructions
-/// (so give the same bits) but through a call per 8 elements, which cannot
-/// be inlined into code not compiled for F16C, as arx's baseline is not.
+/// The element type's own slice conversions ([`Element::widen`],
+/// [`Element::narrow`]) and loops of [`crate::Op`]'s per-element steps
+/// without branches per element (the op is chosen once per loop), which
+/// the compiler vectorises: for any CPU.
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl Portable {
+    /// `dst[i] = dst[i] ∘ widen(src[i])`, in pieces through a small buffer
+    /// (the widening is a slice conversion).
+    #[inline(always)]
+    fn combine<T: Element>(op: crate::Op, src: &[u8], dst: &mut [f32]) {
+        use crate::Op;
+        const PIECE: usize = 64;
+        let size = std::mem::size_of::<T>();
+        let mut wide = [0.0f32; PIECE];
+        for (acc, raw) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE * size)) {
+            let wide = &mut wide[..acc.len()];
+            Portable::widen::<T>(raw, wide);
+            match op {
+                Op::Sum | Op::Avg => {
+                    for (a, w) in acc.iter_mut().zip(&*wide) {
+                        *a += *w;
+                    }
+                }
+                Op::Max => {
+                    for (a, w) in acc.iter_mut().zip(&*wide) {
+                        *a = Op::Max.combine(*a, *w);
+                    }
+                }
+                Op::Min => {
+                    for (a, w) in acc.iter_mut().zip(&*wide) {
+                        *a = Op::Min.combine(*a, *w);
+                    }
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn widen<T: Element>(src: &[u8], dst: &mut [f32]) {
+        match bytemuck::try_cast_slice(src) {
+            // f32 widens to itself (sealed: only `f32` has this dtype); a
+            // block's bytes are f32-aligned.
+            Ok(f) if T::DTYPE == Dtype::F32 => dst.copy_from_slice(f),
+            _ => T::widen(src, dst),
+        }
+    }
+}
+
+impl Kernel for Portable {
+    #[inline(always)]
+    fn pass<T: Element>(
+        self,
+        op: crate::Op,
+        world: usize,
+        n: usize,
+        first: Option<&Block>,
+        next: Option<&Block>,
+        acc: &mut Block,
+        out: Option<&mut [T]>,
+    ) {
+        use crate::Op;
+        let len = n * std::mem::size_of::<T>();
+        let acc = acc.f32s_mut(n);
+        if let Some(a) = first {
+            Portable::widen::<T>(a.bytes(len), acc);
+        }
+        match next {
+            Some(b) => Portable::combine::<T>(op, b.bytes(len), acc),
+            None if matches!(op, Op::Max | Op::Min) => {
+                for a in acc.iter_mut() {
+                    *a = op.combine(*a, *a);
+                }
+            }
+            None => {}
+        }
+        if let Some(out) = out {
+            if op == Op::Avg {
+                for a in acc.iter_mut() {
+                    *a = op.finish(*a, world);
+                }
+            }
+            T::narrow(acc, out);
+        }
+    }
+}
+
+/// The passes as explicit AVX2 code, inline in [`reduce_avx2`], 16
+/// elements (two registers of 8 f32) at a time: per group one load and
+/// widening per rank, the op, its last step and the rounding fused into
+/// the pass, so that no block is written and read back between them.
+/// (The compiler does not fuse slice loops across these steps, and
+/// `half`'s conversions are a call per element (bf16) or per 8 (f16).)
+///
+/// bf16 is widened without a shuffle: of 16 elements loaded as 8 32-bit
+/// lanes, each lane's upper element is an f32 once its low half is
+/// cleared, its lower one once shifted up by 16; so the group's first
+/// register holds the even-numbered elements and the second the odd ones,
+/// and the rounding puts each back in its half of the lane. The order of
+/// elements inside a group does not matter between the two: every step
+/// works per lane.
 #[cfg(target_arch = "x86_64")]
-mod f16c {
+mod avx2 {
     use std::arch::x86_64::{
-        __m128i, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
-        _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+        __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_ps, _mm256_and_si256,
+        _mm256_blend_epi16, _mm256_blendv_epi8, _mm256_blendv_ps, _mm256_castps_si256,
+        _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_div_ps,
+        _mm256_load_ps, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_max_ps, _mm256_min_ps,
+        _mm256_movemask_ps, _mm256_or_ps, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_ps,
+        _mm256_slli_epi32, _mm256_srli_epi32, _mm256_store_ps, _mm256_storeu_ps,
+        _mm256_storeu_si256, _mm_loadu_si128, _mm_storeu_si128, _CMP_UNORD_Q,
+        _MM_FROUND_TO_NEAREST_INT,
     };
 
-    use super::{Convert, Dtype, Element};
+    use std::marker::PhantomData;
+
+    use super::{Block, Dtype, Element, Kernel, GROUP};
+    use crate::abi::{ARX_OP_AVG, ARX_OP_MAX, ARX_OP_MIN, ARX_OP_SUM};
+    use crate::op::CANONICAL_NAN_BITS;
 
     /// Proof that the CPU has AVX2 and F16C: only [`Cpu::detect`] makes one.
     #[derive(Clone, Copy)]
@@ -543,71 +657,404 @@ mod f16c {
         }
     }
 
-    /// 8 f16 (16 bytes, any alignment) widened into `d`.
+    /// A group's 16 values as f32, in two registers (bf16: even-numbered
+    /// elements, then odd-numbered; other dtypes: in order).
+    #[derive(Clone, Copy)]
+    struct X16(__m256, __m256);
+
+    /// 8 lanes of `bits`.
     #[inline(always)]
-    fn widen8(_: Cpu, h: &[u8; 16], d: &mut [f32; 8]) {
-        // SAFETY: the CPU has F16C and AVX (a `Cpu` exists); the unaligned
-        // load reads `h`'s 16 bytes, the store writes `d`'s 32.
-        unsafe {
-            let v = _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr().cast::<__m128i>()));
-            _mm256_storeu_ps(d.as_mut_ptr(), v);
+    fn splat(_: Cpu, bits: u32) -> __m256i {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe { _mm256_set1_epi32(bits as i32) }
+    }
+
+    /// 8 lanes of the canonical NaN.
+    #[inline(always)]
+    fn canonical(cpu: Cpu) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe { _mm256_castsi256_ps(splat(cpu, CANONICAL_NAN_BITS)) }
+    }
+
+    /// A group widened exactly to f32: f32 loaded; f16 by F16C (the
+    /// instruction `half` runs: the same bits, a signalling NaN made
+    /// quiet); bf16 moved into the upper half of an f32 (the order: see
+    /// the module docs), but a signalling NaN left signalling: every pass
+    /// combines the value (an IEEE add makes it quiet; max and min give
+    /// the canonical NaN) or makes it the first operand ([`first`]: quiet
+    /// as well) before anything else reads it, so the quieting of
+    /// [`super::bf16_bits_to_f32`] would be a step for nothing.
+    #[inline(always)]
+    fn widen<T: Element>(cpu: Cpu, e: &[T; GROUP]) -> X16 {
+        let p = e.as_ptr();
+        match T::DTYPE {
+            // SAFETY: the CPU has AVX (a `Cpu` exists); the unaligned loads
+            // read `e`'s 64 bytes.
+            Dtype::F32 => unsafe {
+                let p = p.cast::<f32>();
+                X16(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+            },
+            // SAFETY: the CPU has F16C (a `Cpu` exists); the unaligned loads
+            // read `e`'s 32 bytes.
+            Dtype::F16 => unsafe {
+                let p = p.cast::<__m128i>();
+                X16(
+                    _mm256_cvtph_ps(_mm_loadu_si128(p)),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(1))),
+                )
+            },
+            // SAFETY: the CPU has AVX2 (a `Cpu` exists); the unaligned load
+            // reads `e`'s 32 bytes.
+            Dtype::Bf16 => unsafe {
+                let x = _mm256_loadu_si256(p.cast::<__m256i>());
+                X16(
+                    _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)),
+                    _mm256_castsi256_ps(_mm256_and_si256(x, splat(cpu, 0xffff_0000))),
+                )
+            },
         }
     }
 
-    /// 8 f32 rounded to f16 into `d`, to nearest even (the immediate's
-    /// rounding, not MXCSR's).
+    /// f32 lanes rounded to bf16 in their upper half by
+    /// [`super::f32_to_bf16_bits`]'s rule: add 0x7fff plus the kept part's
+    /// lowest bit (ties to even; the largest finite values carry into
+    /// Inf). A NaN lane is wrong here: see [`narrow`].
     #[inline(always)]
-    fn narrow8(_: Cpu, f: &[f32; 8], d: &mut [u16; 8]) {
-        // SAFETY: the CPU has F16C and AVX (a `Cpu` exists); the unaligned
-        // load reads `f`'s 32 bytes, the store writes `d`'s 16.
+    fn round_bf16(cpu: Cpu, x: __m256i) -> __m256i {
+        // SAFETY: the CPU has AVX2 (a `Cpu` exists); no memory access.
         unsafe {
-            let v = _mm256_cvtps_ph(_mm256_loadu_ps(f.as_ptr()), _MM_FROUND_TO_NEAREST_INT);
-            _mm_storeu_si128(d.as_mut_ptr().cast::<__m128i>(), v);
+            let odd = _mm256_and_si256(_mm256_srli_epi32(x, 16), splat(cpu, 1));
+            _mm256_add_epi32(x, _mm256_add_epi32(odd, splat(cpu, 0x7fff)))
         }
     }
 
-    impl Convert for Cpu {
-        #[inline(always)]
-        fn widen<T: Element>(self, src: &[u8], dst: &mut [f32]) {
-            if T::DTYPE != Dtype::F16 {
-                return T::widen(src, dst);
-            }
-            let mut s = src.chunks_exact(16);
-            let mut d = dst.chunks_exact_mut(8);
-            for (s, d) in (&mut s).zip(&mut d) {
-                if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
-                    widen8(self, s, d);
+    /// A group rounded to `T` into `d`, to nearest even: f32 stored; f16
+    /// by F16C with the immediate's rounding (not MXCSR's), as `half`;
+    /// bf16 by [`round_bf16`], a NaN as its upper half with the quiet bit
+    /// set (sign and top payload kept) when `EXACT`. Without `EXACT` a bf16
+    /// NaN's bits may be wrong: returned, a lane set where either register
+    /// had a NaN, for [`into_out`] to redo the pass.
+    #[inline(always)]
+    fn narrow<T: Element, const EXACT: bool>(cpu: Cpu, v: X16, d: &mut [T; GROUP]) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        let mut nan = unsafe { _mm256_set1_ps(0.0) };
+        let p = d.as_mut_ptr();
+        match T::DTYPE {
+            // SAFETY: the CPU has AVX (a `Cpu` exists); the unaligned stores
+            // write `d`'s 64 bytes.
+            Dtype::F32 => unsafe {
+                let p = p.cast::<f32>();
+                _mm256_storeu_ps(p, v.0);
+                _mm256_storeu_ps(p.add(8), v.1);
+            },
+            // SAFETY: the CPU has F16C (a `Cpu` exists); the unaligned stores
+            // write `d`'s 32 bytes.
+            Dtype::F16 => unsafe {
+                let p = p.cast::<__m128i>();
+                _mm_storeu_si128(p, _mm256_cvtps_ph(v.0, _MM_FROUND_TO_NEAREST_INT));
+                _mm_storeu_si128(p.add(1), _mm256_cvtps_ph(v.1, _MM_FROUND_TO_NEAREST_INT));
+            },
+            Dtype::Bf16 => {
+                // SAFETY: the CPU has AVX2 (a `Cpu` exists); no memory
+                // access.
+                let (even, odd) = unsafe { (_mm256_castps_si256(v.0), _mm256_castps_si256(v.1)) };
+                let (mut e, mut o) = (round_bf16(cpu, even), round_bf16(cpu, odd));
+                // SAFETY: as above.
+                unsafe {
+                    if EXACT {
+                        let quiet = splat(cpu, 0x0040_0000);
+                        let is = _mm256_castps_si256(_mm256_cmp_ps(v.0, v.0, _CMP_UNORD_Q));
+                        e = _mm256_blendv_epi8(e, _mm256_or_si256(even, quiet), is);
+                        let is = _mm256_castps_si256(_mm256_cmp_ps(v.1, v.1, _CMP_UNORD_Q));
+                        o = _mm256_blendv_epi8(o, _mm256_or_si256(odd, quiet), is);
+                    } else {
+                        nan = _mm256_cmp_ps(v.0, v.1, _CMP_UNORD_Q);
+                    }
+                }
+                // SAFETY: as above; the unaligned store writes `d`'s 32
+                // bytes.
+                unsafe {
+                    // Even elements' upper halves down into the lower ones,
+                    // odd elements' upper halves in place.
+                    let h = _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xaa);
+                    _mm256_storeu_si256(p.cast::<__m256i>(), h);
                 }
             }
-            let (s, d) = (s.remainder(), d.into_remainder());
-            if !d.is_empty() {
-                let (mut h, mut f) = ([0u8; 16], [0.0f32; 8]);
-                h[..s.len()].copy_from_slice(s);
-                widen8(self, &h, &mut f);
-                d.copy_from_slice(&f[..d.len()]);
+        }
+        nan
+    }
+
+    /// `a ∘ b` by [`crate::Op::combine`]'s rule. Max: `vmaxps` gives the
+    /// larger of unequal numbers both ways round; of equal ones (±0) its
+    /// second operand, so ANDing both orders keeps +0 as the rule's AND of
+    /// the bits does (min: OR keeps −0); any NaN gives the canonical one.
+    #[inline(always)]
+    fn combine<const OP: u32>(cpu: Cpu, a: X16, b: X16) -> X16 {
+        X16(combine8::<OP>(cpu, a.0, b.0), combine8::<OP>(cpu, a.1, b.1))
+    }
+
+    /// [`combine`] of one register.
+    #[inline(always)]
+    fn combine8<const OP: u32>(cpu: Cpu, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe {
+            let r = match OP {
+                ARX_OP_MAX => _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a)),
+                ARX_OP_MIN => _mm256_or_ps(_mm256_min_ps(a, b), _mm256_min_ps(b, a)),
+                _ => return _mm256_add_ps(a, b),
+            };
+            _mm256_blendv_ps(r, canonical(cpu), _mm256_cmp_ps(a, b, _CMP_UNORD_Q))
+        }
+    }
+
+    /// `a` as the first operand: `a ∘ a` for max and min (a NaN made
+    /// canonical); for sum and avg `a` itself, a bf16 NaN made quiet (bit
+    /// 22 set), so that the value is the portable widening's (see
+    /// [`widen`]). (Not by `−0.0 + a`, the sum's identity: the compiler
+    /// may fold that to `a`.)
+    #[inline(always)]
+    fn first<T: Element, const OP: u32>(cpu: Cpu, a: X16) -> X16 {
+        match OP {
+            ARX_OP_MAX | ARX_OP_MIN => combine::<OP>(cpu, a, a),
+            _ if T::DTYPE == Dtype::Bf16 => X16(quiet8(cpu, a.0), quiet8(cpu, a.1)),
+            _ => a,
+        }
+    }
+
+    /// A NaN lane made quiet (bit 22 set), the others as they are.
+    #[inline(always)]
+    fn quiet8(cpu: Cpu, a: __m256) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe {
+            let bit = _mm256_castsi256_ps(splat(cpu, 0x0040_0000));
+            _mm256_or_ps(a, _mm256_and_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), bit))
+        }
+    }
+
+    /// [`crate::Op::finish`]: avg's one division by `world` (a NaN made
+    /// canonical); nothing for the others.
+    #[inline(always)]
+    fn finish<const OP: u32>(cpu: Cpu, a: X16, world: usize) -> X16 {
+        if OP != ARX_OP_AVG {
+            return a;
+        }
+        X16(avg8(cpu, a.0, world), avg8(cpu, a.1, world))
+    }
+
+    /// [`finish`] of one register, for avg.
+    #[inline(always)]
+    fn avg8(cpu: Cpu, a: __m256, world: usize) -> __m256 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        unsafe {
+            let q = _mm256_div_ps(a, _mm256_set1_ps(world as f32));
+            _mm256_blendv_ps(q, canonical(cpu), _mm256_cmp_ps(q, q, _CMP_UNORD_Q))
+        }
+    }
+
+    /// A pass's value per group, built from the types below (plain types
+    /// with inline methods rather than closures: a closure is a function
+    /// of its own, compiled without AVX, into which the intrinsics would
+    /// not inline).
+    trait Lanes: Copy {
+        /// The value of group `g`; `old`: the accumulator's group `g` when
+        /// the pass writes the accumulator in place.
+        fn get(self, cpu: Cpu, g: usize, old: X16) -> X16;
+    }
+
+    /// A raw partial's groups, widened.
+    #[derive(Clone, Copy)]
+    struct Wide<'a, T>(&'a [[T; GROUP]]);
+    /// The accumulator's groups, read (a pass into `out`).
+    #[derive(Clone, Copy)]
+    struct Acc<'a>(&'a [[f32; GROUP]]);
+    /// The accumulator's group in place (a pass into the accumulator).
+    #[derive(Clone, Copy)]
+    struct Old;
+    /// `A ∘ B` by the op.
+    #[derive(Clone, Copy)]
+    struct Combine<A, B, const OP: u32>(A, B);
+    /// `A` as the first operand, of dtype `T`.
+    #[derive(Clone, Copy)]
+    struct First<A, T, const OP: u32>(A, PhantomData<T>);
+
+    impl<T: Element> Lanes for Wide<'_, T> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, _: X16) -> X16 {
+            widen(cpu, &self.0[g])
+        }
+    }
+    impl Lanes for Acc<'_> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, _: X16) -> X16 {
+            load(cpu, &self.0[g])
+        }
+    }
+    impl Lanes for Old {
+        #[inline(always)]
+        fn get(self, _: Cpu, _: usize, old: X16) -> X16 {
+            old
+        }
+    }
+    impl<A: Lanes, B: Lanes, const OP: u32> Lanes for Combine<A, B, OP> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, old: X16) -> X16 {
+            combine::<OP>(cpu, self.0.get(cpu, g, old), self.1.get(cpu, g, old))
+        }
+    }
+    impl<A: Lanes, T: Element, const OP: u32> Lanes for First<A, T, OP> {
+        #[inline(always)]
+        fn get(self, cpu: Cpu, g: usize, old: X16) -> X16 {
+            first::<T, OP>(cpu, self.0.get(cpu, g, old))
+        }
+    }
+
+    /// A group of the accumulator.
+    #[inline(always)]
+    fn load(_: Cpu, a: &[f32; GROUP]) -> X16 {
+        // SAFETY: the CPU has AVX (a `Cpu` exists); `a` is 64 bytes,
+        // 32-aligned (`Block`'s alignment, groups of 64 bytes).
+        unsafe {
+            X16(
+                _mm256_load_ps(a.as_ptr()),
+                _mm256_load_ps(a.as_ptr().add(8)),
+            )
+        }
+    }
+
+    /// Every group of `acc` ← `v`'s.
+    #[inline(always)]
+    fn into_acc(cpu: Cpu, acc: &mut [[f32; GROUP]], v: impl Lanes) {
+        for (g, a) in acc.iter_mut().enumerate() {
+            let x = v.get(cpu, g, load(cpu, a));
+            // SAFETY: the CPU has AVX (a `Cpu` exists); `a` is 64 bytes,
+            // 32-aligned (see `load`).
+            unsafe {
+                _mm256_store_ps(a.as_mut_ptr(), x.0);
+                _mm256_store_ps(a.as_mut_ptr().add(8), x.1);
+            }
+        }
+    }
+
+    /// `out` ← `v`'s groups finished and narrowed. First without a bf16
+    /// NaN's exact bits (the select per group costs a tenth of the pass);
+    /// if some value was a NaN, again with them: the pass only reads its
+    /// inputs, so it can be redone.
+    #[inline(always)]
+    fn into_out<T: Element, const OP: u32>(cpu: Cpu, world: usize, out: &mut [T], v: impl Lanes) {
+        if !into_out_as::<T, OP, false>(cpu, world, out, v) {
+            into_out_as::<T, OP, true>(cpu, world, out, v);
+        }
+    }
+
+    /// [`into_out`] with [`narrow`]'s `EXACT`: false if that was not
+    /// exact (a NaN lane without it). A last group shorter than [`GROUP`]
+    /// (`out`'s length is any) goes through a padded copy.
+    #[inline(always)]
+    fn into_out_as<T: Element, const OP: u32, const EXACT: bool>(
+        cpu: Cpu,
+        world: usize,
+        out: &mut [T],
+        v: impl Lanes,
+    ) -> bool {
+        let whole = out.len() / GROUP;
+        // SAFETY: the CPU has AVX (a `Cpu` exists); no memory access.
+        let zero = unsafe { _mm256_set1_ps(0.0) };
+        // Never read: only `Old` reads it, which no pass into `out` has.
+        let none = X16(zero, zero);
+        let mut nan = zero;
+        let mut groups = out.chunks_exact_mut(GROUP);
+        for (g, d) in (&mut groups).enumerate() {
+            if let Ok(d) = d.try_into() {
+                let x = finish::<OP>(cpu, v.get(cpu, g, none), world);
+                // SAFETY: as above.
+                nan = unsafe { _mm256_or_ps(nan, narrow::<T, EXACT>(cpu, x, d)) };
+            }
+        }
+        let tail = groups.into_remainder();
+        if !tail.is_empty() {
+            let mut pad = [<T as bytemuck::Zeroable>::zeroed(); GROUP];
+            let x = finish::<OP>(cpu, v.get(cpu, whole, none), world);
+            // SAFETY: as above.
+            nan = unsafe { _mm256_or_ps(nan, narrow::<T, EXACT>(cpu, x, &mut pad)) };
+            tail.copy_from_slice(&pad[..tail.len()]);
+        }
+        // SAFETY: as above.
+        EXACT || unsafe { _mm256_movemask_ps(nan) } == 0
+    }
+
+    /// The accumulator's first `out.len()` values narrowed into `out`, as
+    /// a pass's last step but alone (no first operand's rule): the tests'
+    /// view of [`narrow`] on values no pass would hand it (signalling
+    /// NaNs).
+    #[cfg(test)]
+    pub(super) fn narrow_only<T: Element>(cpu: Cpu, acc: &Block, out: &mut [T]) {
+        into_out::<T, ARX_OP_SUM>(cpu, 1, out, Acc(&acc.0));
+    }
+
+    /// [`Kernel::pass`] for one op (a constant: no choice per element).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn pass_op<T: Element, const OP: u32>(
+        cpu: Cpu,
+        world: usize,
+        n: usize,
+        first: Option<&Block>,
+        next: Option<&Block>,
+        acc: &mut Block,
+        out: Option<&mut [T]>,
+    ) {
+        let groups = n.div_ceil(GROUP);
+        let acc = &mut acc.0[..groups];
+        let a = first.map(|a| Wide(a.groups::<T>(groups)));
+        let b = next.map(|b| Wide(b.groups::<T>(groups)));
+        let w = world;
+        match (a, b, out) {
+            (Some(a), Some(b), Some(o)) => into_out::<T, OP>(cpu, w, o, Combine::<_, _, OP>(a, b)),
+            (None, Some(b), Some(o)) => {
+                into_out::<T, OP>(cpu, w, o, Combine::<_, _, OP>(Acc(acc), b))
+            }
+            (Some(a), None, Some(o)) => {
+                into_out::<T, OP>(cpu, w, o, First::<_, T, OP>(a, PhantomData))
+            }
+            (None, None, Some(o)) => {
+                into_out::<T, OP>(cpu, w, o, First::<_, T, OP>(Acc(acc), PhantomData))
+            }
+            (Some(a), Some(b), None) => into_acc(cpu, acc, Combine::<_, _, OP>(a, b)),
+            (None, Some(b), None) => into_acc(cpu, acc, Combine::<_, _, OP>(Old, b)),
+            (Some(a), None, None) => into_acc(cpu, acc, First::<_, T, OP>(a, PhantomData)),
+            (None, None, None) => into_acc(cpu, acc, First::<_, T, OP>(Old, PhantomData)),
+        }
+    }
+
+    impl Kernel for Cpu {
+        #[inline(always)]
+        fn pass<T: Element>(
+            self,
+            op: crate::Op,
+            world: usize,
+            n: usize,
+            first: Option<&Block>,
+            next: Option<&Block>,
+            acc: &mut Block,
+            out: Option<&mut [T]>,
+        ) {
+            use crate::Op;
+            let c = self;
+            match op {
+                Op::Sum => pass_op::<T, ARX_OP_SUM>(c, world, n, first, next, acc, out),
+                Op::Max => pass_op::<T, ARX_OP_MAX>(c, world, n, first, next, acc, out),
+                Op::Min => pass_op::<T, ARX_OP_MIN>(c, world, n, first, next, acc, out),
+                Op::Avg => pass_op::<T, ARX_OP_AVG>(c, world, n, first, next, acc, out),
             }
         }
 
-        #[inline(always)]
-        fn narrow<T: Element>(self, src: &[f32], dst: &mut [T]) {
-            if T::DTYPE != Dtype::F16 {
-                return T::narrow(src, dst);
-            }
-            // Sealed: only `half::f16` has this dtype, 2 bytes.
-            let dst: &mut [u16] = bytemuck::cast_slice_mut(dst);
-            let mut s = src.chunks_exact(8);
-            let mut d = dst.chunks_exact_mut(8);
-            for (s, d) in (&mut s).zip(&mut d) {
-                if let (Ok(s), Ok(d)) = (s.try_into(), d.try_into()) {
-                    narrow8(self, s, d);
-                }
-            }
-            let (s, d) = (s.remainder(), d.into_remainder());
-            if !d.is_empty() {
-                let (mut f, mut h) = ([0.0f32; 8], [0u16; 8]);
-                f[..s.len()].copy_from_slice(s);
-                narrow8(self, &f, &mut h);
-                d.copy_from_slice(&h[..d.len()]);
+        #[cfg(test)]
+        fn acc_index<T: Element>(self, i: usize) -> usize {
+            let (g, j) = (i / GROUP, i % GROUP);
+            match T::DTYPE {
+                // Even-numbered elements in the first register.
+                Dtype::Bf16 => g * GROUP + (j % 2) * 8 + j / 2,
+                _ => i,
             }
         }
     }
@@ -870,9 +1317,52 @@ mod tests {
         }
     }
 
+    /// `src` widened by `k`'s passes: a pass with nothing to combine (sum:
+    /// the value alone) into the accumulator, a block at a time.
+    fn widen_by<T: Element>(k: impl Kernel, src: &[u8], dst: &mut [f32]) {
+        let size = std::mem::size_of::<T>();
+        let (mut raw, mut acc) = (Block::ZERO, Block::ZERO);
+        for (s, d) in src.chunks(BLOCK * size).zip(dst.chunks_mut(BLOCK)) {
+            raw.bytes_mut(s.len()).copy_from_slice(s);
+            let op = crate::Op::Sum;
+            k.pass::<T>(op, 1, d.len(), Some(&raw), None, &mut acc, None);
+            let acc = acc.f32s_mut(BLOCK);
+            for (i, d) in d.iter_mut().enumerate() {
+                *d = acc[k.acc_index::<T>(i)];
+            }
+        }
+    }
+
+    /// `src` narrowed a block at a time by `f(acc, out)`, the block's
+    /// values placed in the accumulator in `k`'s order.
+    fn narrow_by<T: Element>(
+        k: impl Kernel,
+        f: impl Fn(&mut Block, &mut [T]),
+        src: &[f32],
+        dst: &mut [T],
+    ) {
+        let mut acc = Block::ZERO;
+        for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
+            let a = acc.f32s_mut(BLOCK);
+            for (i, s) in s.iter().enumerate() {
+                a[k.acc_index::<T>(i)] = *s;
+            }
+            f(&mut acc, d);
+        }
+    }
+
+    /// By `k`'s pass from the accumulator with nothing to combine (sum).
+    fn narrow_pass<T: Element>(k: impl Kernel, src: &[f32], dst: &mut [T]) {
+        let pass = |acc: &mut Block, d: &mut [T]| {
+            k.pass(crate::Op::Sum, 1, d.len(), None, None, acc, Some(d));
+        };
+        narrow_by(k, pass, src, dst);
+    }
+
     /// The conversions under test, by name: `half`'s one-element ones as
-    /// arx uses them, and the slice paths the reduction runs (portable,
-    /// unaligned, and F16C where the CPU has it).
+    /// arx uses them, the slice conversion on unaligned bytes, and the
+    /// passes of every kernel the CPU runs (portable, and AVX2+F16C where
+    /// the CPU has it).
     fn widen_paths<T: Element>(src: &[u16]) -> Vec<(&'static str, Vec<f32>)> {
         let bytes: &[u8] = bytemuck::cast_slice(src);
         let run = |f: &dyn Fn(&[u8], &mut [f32])| {
@@ -882,6 +1372,7 @@ mod tests {
         };
         let mut odd = vec![0u8; bytes.len() + 1];
         odd[1..].copy_from_slice(bytes);
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut paths = vec![
             (
                 "to_f32",
@@ -891,12 +1382,12 @@ mod tests {
                     }
                 }),
             ),
-            ("portable", run(&|b, d| Portable.widen::<T>(b, d))),
+            ("portable", run(&|b, d| widen_by::<T>(Portable, b, d))),
             ("portable unaligned", run(&|_, d| T::widen(&odd[1..], d))),
         ];
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = f16c::Cpu::detect() {
-            paths.push(("avx2+f16c", run(&|b, d| cpu.widen::<T>(b, d))));
+        if let Some(cpu) = avx2::Cpu::detect() {
+            paths.push(("avx2+f16c", run(&|b, d| widen_by::<T>(cpu, b, d))));
         }
         paths
     }
@@ -908,6 +1399,7 @@ mod tests {
             f(src, &mut d);
             bytemuck::cast_slice::<T, u16>(&d).to_vec()
         };
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut paths = vec![
             (
                 "from_f32",
@@ -917,11 +1409,13 @@ mod tests {
                     }
                 }),
             ),
-            ("portable", run(&|s, d| Portable.narrow(s, d))),
+            ("portable", run(&|s, d| narrow_pass(Portable, s, d))),
         ];
         #[cfg(target_arch = "x86_64")]
-        if let Some(cpu) = f16c::Cpu::detect() {
-            paths.push(("avx2+f16c", run(&|s, d| cpu.narrow(s, d))));
+        if let Some(cpu) = avx2::Cpu::detect() {
+            paths.push(("avx2+f16c", run(&|s, d| narrow_pass(cpu, s, d))));
+            let alone = |acc: &mut Block, d: &mut [T]| avx2::narrow_only(cpu, acc, d);
+            paths.push(("avx2+f16c alone", run(&|s, d| narrow_by(cpu, alone, s, d))));
         }
         paths
     }
@@ -1136,6 +1630,147 @@ mod tests {
         }
         check::<bf16>();
         check::<f16>();
+    }
+
+    /// Rank `r`'s partial of `n` elements for [`every_path_on_every_length`]:
+    /// `verify::input_edges` (NaN on ranks 0 and 1, ±Inf, ±0, subnormals,
+    /// sums that overflow or cancel), and at every 7th element a NaN of a
+    /// random payload, signalling or quiet, on one rank in turn (the
+    /// others keep numbers there).
+    fn nan_payload_inputs<T: Element>(world: usize, r: usize, n: usize, seed: u64) -> Vec<T> {
+        let mut v = crate::verify::input_edges::<T>(seed, world as u64, r, n);
+        let mut x = seed ^ 0x9e37_79b9_7f4a_7c15 ^ n as u64;
+        for (i, e) in v.iter_mut().enumerate() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if i % 7 != 3 {
+                continue;
+            }
+            let mine = (i / 7) % world == r;
+            let nan = match T::DTYPE {
+                Dtype::Bf16 => u32::from(0x7f81 | (x as u16 & 0x807f)),
+                Dtype::F16 => u32::from(0x7c01 | (x as u16 & 0x83ff)),
+                Dtype::F32 => 0x7f80_0001 | (x as u32 & 0x807f_ffff),
+            };
+            *e = match (mine, T::DTYPE) {
+                (false, _) => crate::verify::round_to(((i % 13) as f32 - 6.0) * 0.75),
+                (true, Dtype::F32) => bytemuck::pod_read_unaligned(&nan.to_ne_bytes()),
+                (true, _) => bytemuck::pod_read_unaligned(&(nan as u16).to_ne_bytes()),
+            };
+        }
+        v
+    }
+
+    /// The element's bits as a u32.
+    fn bits32<T: Element>(v: &T) -> u32 {
+        let b = bytemuck::bytes_of(v);
+        match b.len() {
+            2 => u32::from(u16::from_ne_bytes([b[0], b[1]])),
+            _ => u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+        }
+    }
+
+    /// Every path (portable; AVX2+F16C where the CPU has it) on every dtype
+    /// and op, 1 to 16 ranks, lengths of every tail modulo a group and
+    /// across blocks (up to 4 ranks; two lengths beyond), the output slice one element into its buffer (not
+    /// aligned as a vector) between two poisoned guards: equals
+    /// `verify::reference_op` (sum's NaN: a NaN), the guards stay
+    /// untouched, and a sum with one NaN input among numbers is exactly
+    /// that NaN made quiet, its payload kept (the widening and rounding
+    /// keep it; an add makes it quiet; f32 from one rank is not touched).
+    #[test]
+    fn every_path_on_every_length() {
+        fn check<T: Element>(lengths: &[usize]) {
+            let quiet = match T::DTYPE {
+                Dtype::Bf16 => 0x0040,
+                Dtype::F16 => 0x0200,
+                Dtype::F32 => 0x0040_0000,
+            };
+            type Reduce<T> = Box<dyn Fn(crate::Op, usize, &[&[u8]], &mut [T])>;
+            #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+            let mut paths: Vec<(&str, Reduce<T>)> = vec![(
+                "portable",
+                Box::new(|op, world, b: &[&[u8]], out: &mut [T]| {
+                    reduce_blocks(Portable, op, world, from_slices(b), out)
+                }),
+            )];
+            #[cfg(target_arch = "x86_64")]
+            if let Some(cpu) = avx2::Cpu::detect() {
+                paths.push((
+                    "avx2+f16c",
+                    Box::new(move |op, world, b: &[&[u8]], out: &mut [T]| {
+                        // SAFETY: the CPU has AVX2 and F16C (`cpu` exists).
+                        unsafe { reduce_avx2(cpu, op, world, from_slices(b), out) }
+                    }),
+                ));
+            }
+            for world in 1..=16 {
+                // One rank, two, and three or more pass through different
+                // steps (see `reduce_blocks`); more ranks only add passes.
+                let lengths = if world <= 4 { lengths } else { &[17, 513] };
+                for (k, &n) in lengths.iter().enumerate() {
+                    let seed = (world * 1000 + k) as u64;
+                    let inputs: Vec<Vec<T>> = (0..world)
+                        .map(|r| nan_payload_inputs::<T>(world, r, n, seed))
+                        .collect();
+                    let bytes: Vec<&[u8]> =
+                        inputs.iter().map(|v| bytemuck::cast_slice(v)).collect();
+                    for op in crate::Op::ALL {
+                        let want = crate::verify::reference_op(op, &inputs);
+                        for (name, reduce) in &paths {
+                            let mut buf = vec![T::from_f32(0.0); n + 2];
+                            crate::verify::poison(&mut buf);
+                            reduce(op, world, &bytes, &mut buf[1..=n]);
+                            let what =
+                                format!("{:?} {op} {name}, {world} ranks, {n} elements", T::DTYPE);
+                            let guard = bits32(&buf[0]);
+                            assert_eq!(guard, bits32(&buf[n + 1]), "{what}: a guard written");
+                            assert!(
+                                guard == 0xffff || guard == u32::MAX,
+                                "{what}: a guard written"
+                            );
+                            let got = &buf[1..=n];
+                            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                                assert_eq!(
+                                    crate::verify::count_wrong_op(op, &[*g], &[*w]),
+                                    0,
+                                    "{what}: element {i}: got {:#x}, want {:#x}",
+                                    bits32(g),
+                                    bits32(w)
+                                );
+                            }
+                            if op != crate::Op::Sum {
+                                continue;
+                            }
+                            for i in (3..n).step_by(7) {
+                                let r = (i / 7) % world;
+                                let nan = bits32(&inputs[r][i]);
+                                let others_numbers = inputs.iter().enumerate().all(|(q, v)| {
+                                    q == r || crate::verify::value_of(&v[i]).is_finite()
+                                });
+                                // f32 from one rank: no add, no widening.
+                                let want = match (world, T::DTYPE) {
+                                    (1, Dtype::F32) => nan,
+                                    _ => nan | quiet,
+                                };
+                                if others_numbers {
+                                    assert_eq!(
+                                        bits32(&got[i]),
+                                        want,
+                                        "{what}: element {i}, rank {r}'s NaN {nan:#x}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let lengths: Vec<usize> = (1..=33).chain([63, 64, 65, 511, 512, 513, 1040]).collect();
+        check::<bf16>(&lengths);
+        check::<f16>(&lengths);
+        check::<f32>(&lengths);
     }
 
     /// The host-side reduction's speed, ns per output element (`cargo

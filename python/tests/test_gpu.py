@@ -339,6 +339,56 @@ def a_refused_gpu_call_fails_the_others_at_once():
         check(dt < PROMPT, f"GPU refusal: took {dt:.1f} s")
 
 
+# ---- set-up shared by the reduce_scatter/all_gather and broadcast cases -----
+
+def side_stream():
+    """A new stream (after the device's earlier work) whose work waits
+    behind a ~50 ms kernel queued on it first: a call on it, or told
+    `stream=` it, must wait for what is queued after the kernel."""
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream(DEV)
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)
+    return s
+
+
+def cupy_or_note(what):
+    """The cupy module, or None after noting that CuPy arrays were not
+    tried in `what`."""
+    try:
+        import cupy
+    except ImportError:
+        note(f"CuPy not installed: CuPy arrays not tried in {what}")
+        return None
+    return cupy
+
+
+def refused_on_a_new_comm(fn, cls, name, contains=()):
+    """`fn(c)` then `c.check()` on a new GPU instance raise `cls` on this
+    rank (its message naming every word of `contains`), promptly."""
+    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
+        _, dt = expect_error(lambda: (fn(c), c.check()), cls, contains=contains, name=name)
+        check(dt < PROMPT, f"{name}: took {dt:.1f} s")
+
+
+def each_refused(bad, what):
+    """Each bad call of `bad` ((name, fn, words), the same on every rank)
+    raises InvalidArgumentError on every rank naming `words`."""
+    for name, fn, words in bad:
+        refused_on_a_new_comm(fn, arx.InvalidArgumentError, f"cuda {what}{name}", words)
+
+
+def refused_on_the_last_rank(there, here, words, what):
+    """The last rank's call `there(c)` is refused (InvalidArgumentError
+    naming `words`); the others' `here(c)` fails at once with
+    CallMismatchError naming that rank."""
+    if RANK == SIZE - 1:
+        refused_on_a_new_comm(there, arx.InvalidArgumentError, f"GPU {what} refused here", words)
+    else:
+        refused_on_a_new_comm(here, arx.CallMismatchError, f"GPU {what} refused by a peer",
+                              (f"rank {SIZE - 1}",))
+
+
 # ---- reduce_scatter and all_gather on CUDA arrays ---------------------------
 
 def blocks_except_mine(a, n):
@@ -455,10 +505,8 @@ def reduce_scatter_and_all_gather_on_other_streams_and_array_kinds():
         src = to_torch(mine, dtype)
         x = torch.zeros(SIZE * n, dtype=TD[dtype], device=DEV)
         out = nan_tensor(n, dtype)
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream(DEV)
+        s = side_stream()
         with torch.cuda.stream(s):
-            torch.cuda._sleep(100_000_000)
             x.copy_(src)
             COMM.reduce_scatter(x, out)
         s.synchronize()
@@ -467,10 +515,8 @@ def reduce_scatter_and_all_gather_on_other_streams_and_array_kinds():
         parts = [ag_input(9510 + i, n, dtype, r) for r in range(SIZE)]
         y = torch.zeros(n, dtype=TD[dtype], device=DEV)
         gathered = nan_tensor(SIZE * n, dtype)
-        torch.cuda.synchronize()
-        s2 = torch.cuda.Stream(DEV)
+        s2 = side_stream()
         with torch.cuda.stream(s2):
-            torch.cuda._sleep(100_000_000)
             y.copy_(to_torch(parts[RANK], dtype))
         COMM.all_gather(y, gathered, stream=s2)
         s2.synchronize()
@@ -489,10 +535,8 @@ def reduce_scatter_and_all_gather_on_other_streams_and_array_kinds():
     COMM.all_gather(DlpackOnly(buf))
     res, whole = from_torch(buf, "bfloat16"), np.concatenate(parts)
     check(same_bits(res, whole), f"DLPack all_gather in place: {wrong(res, whole)}")
-    try:
-        import cupy
-    except ImportError:
-        note("CuPy not installed: CuPy arrays not tried in reduce_scatter/all_gather")
+    cupy = cupy_or_note("reduce_scatter/all_gather")
+    if cupy is None:
         return
     with cupy.cuda.Device(COMM.cuda_device):
         mine, want = rs_expected(9530, n, "float32", "max")
@@ -540,28 +584,15 @@ def reduce_scatter_and_all_gather_refuse_bad_cuda_arguments():
          ("contiguous",)),
         ("rs op", lambda c: c.reduce_scatter(torch.zeros(SIZE * n, device=DEV), op="prod"), ("op='prod'",)),
     ]
-    for name, fn, words in bad:
-        with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
-            e, dt = expect_error(lambda: (fn(c), c.check()), arx.InvalidArgumentError, contains=words,
-                                 name=f"cuda {name}")
-            check(dt < PROMPT, f"cuda {name}: took {dt:.1f} s")
-    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
-        if RANK == SIZE - 1:
-            e, dt = expect_error(lambda: c.reduce_scatter(torch.zeros(SIZE * n + 1, device=DEV)),
-                                 arx.InvalidArgumentError, contains=("not a multiple",),
-                                 name="GPU reduce_scatter refused here")
-        else:
-            x = to_torch(partial(9600, SIZE * n, "float32", RANK), "float32")
-            e, dt = expect_error(lambda: (c.reduce_scatter(x), c.check()), arx.CallMismatchError,
-                                 contains=(f"rank {SIZE - 1}",), name="GPU reduce_scatter refused by a peer")
-        check(dt < PROMPT, f"GPU reduce_scatter refusal: took {dt:.1f} s")
-    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
-        m = n + (1 if RANK == SIZE - 1 else 0)
-        x = to_torch(partial(9601, m, "float32", RANK), "float32")
-        out = nan_tensor(SIZE * m, "float32")
-        e, dt = expect_error(lambda: (c.all_gather(x, out), c.check()), arx.CallMismatchError,
-                             name="GPU all_gather length on the last rank")
-        check(dt < PROMPT, f"GPU all_gather length on the last rank: took {dt:.1f} s")
+    each_refused(bad, "")
+    x = to_torch(partial(9600, SIZE * n, "float32", RANK), "float32")
+    refused_on_the_last_rank(lambda c: c.reduce_scatter(torch.zeros(SIZE * n + 1, device=DEV)),
+                             lambda c: c.reduce_scatter(x), ("not a multiple",), "reduce_scatter")
+    m = n + (1 if RANK == SIZE - 1 else 0)
+    x = to_torch(partial(9601, m, "float32", RANK), "float32")
+    out = nan_tensor(SIZE * m, "float32")
+    refused_on_a_new_comm(lambda c: c.all_gather(x, out), arx.CallMismatchError,
+                          "GPU all_gather length on the last rank")
 
 
 # ---- broadcast on CUDA arrays -------------------------------------------------
@@ -654,20 +685,16 @@ def broadcast_on_other_streams_and_array_kinds():
         src = to_torch(ag_input(cid, n, dtype, RANK), dtype)
         x = torch.zeros(n, dtype=TD[dtype], device=DEV)
         out = nan_tensor(n, dtype)
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream(DEV)
+        s = side_stream()
         with torch.cuda.stream(s):
-            torch.cuda._sleep(100_000_000)
             x.copy_(src)
             COMM.broadcast(x, out, root)
         s.synchronize()
         res, want = from_torch(out, dtype), ag_input(cid, n, dtype, root)
         check(same_bits(res, want), f"broadcast on a side stream {dtype}: {wrong(res, want)}")
         y = torch.zeros(n, dtype=TD[dtype], device=DEV)
-        torch.cuda.synchronize()
-        s2 = torch.cuda.Stream(DEV)
+        s2 = side_stream()
         with torch.cuda.stream(s2):
-            torch.cuda._sleep(100_000_000)
             y.copy_(to_torch(ag_input(cid + 1, n, dtype, RANK), dtype))
         COMM.broadcast(y, root=0, stream=s2)  # in place, on s2, from the default stream
         s2.synchronize()
@@ -697,10 +724,8 @@ def broadcast_on_other_streams_and_array_kinds():
         res = from_torch(t, "float32")
         check(same_bits(res, want), f"mixed broadcast, CUDA side: {wrong(res, want)}")
     COMM.check()
-    try:
-        import cupy
-    except ImportError:
-        note("CuPy not installed: CuPy arrays not tried in broadcast")
+    cupy = cupy_or_note("broadcast")
+    if cupy is None:
         return
     with cupy.cuda.Device(COMM.cuda_device):
         want = ag_input(11530, n, "float32", root)
@@ -738,27 +763,15 @@ def broadcast_refuses_bad_cuda_arguments():
         ("root -1", lambda c: c.broadcast(torch.zeros(n, device=DEV), root=-1), ("root -1",)),
         ("root 1.0", lambda c: c.broadcast(torch.zeros(n, device=DEV), root=1.0), ("root",)),
     ]
-    for name, fn, words in bad:
-        with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
-            e, dt = expect_error(lambda: (fn(c), c.check()), arx.InvalidArgumentError, contains=words,
-                                 name=f"cuda broadcast {name}")
-            check(dt < PROMPT, f"cuda broadcast {name}: took {dt:.1f} s")
-    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
-        x = to_torch(ag_input(11600, n, "float32", RANK), "float32")
-        if RANK == SIZE - 1:
-            e, dt = expect_error(lambda: c.broadcast(x, root=SIZE), arx.InvalidArgumentError,
-                                 contains=("root", "not a rank"), name="GPU broadcast refused here")
-        else:
-            e, dt = expect_error(lambda: (c.broadcast(x, root=0), c.check()), arx.CallMismatchError,
-                                 contains=(f"rank {SIZE - 1}",), name="GPU broadcast refused by a peer")
-        check(dt < PROMPT, f"GPU broadcast refusal: took {dt:.1f} s")
-    with arx.Comm(WORLD, device="gpu", timeout=FAIL_TIMEOUT) as c:
-        m = n + (1 if RANK == SIZE - 1 else 0)
-        x = to_torch(ag_input(11601, m, "float32", RANK), "float32")
-        out = nan_tensor(m, "float32")
-        e, dt = expect_error(lambda: (c.broadcast(x, out, 0), c.check()), arx.CallMismatchError,
-                             name="GPU broadcast length on the last rank")
-        check(dt < PROMPT, f"GPU broadcast length on the last rank: took {dt:.1f} s")
+    each_refused(bad, "broadcast ")
+    x = to_torch(ag_input(11600, n, "float32", RANK), "float32")
+    refused_on_the_last_rank(lambda c: c.broadcast(x, root=SIZE), lambda c: c.broadcast(x, root=0),
+                             ("root", "not a rank"), "broadcast")
+    m = n + (1 if RANK == SIZE - 1 else 0)
+    x = to_torch(ag_input(11601, m, "float32", RANK), "float32")
+    out = nan_tensor(m, "float32")
+    refused_on_a_new_comm(lambda c: c.broadcast(x, out, 0), arx.CallMismatchError,
+                          "GPU broadcast length on the last rank")
 
 
 @case
