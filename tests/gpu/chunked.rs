@@ -243,16 +243,7 @@ pub(super) fn twoshot_back_to_back(ctx: &Ctx, st: Staging) -> R {
 /// The calls of [`chunked_back_to_back`] under `algo`, inputs of calls
 /// `first`, `first + 1`, ...
 fn back_to_back(ctx: &Ctx, st: Staging, algo: arx::Algo, first: u64) -> R {
-    let slow = ctx.rank == ctx.n - 1;
-    let (mut arx, s) = with_sum_delay(slow.then(|| Duration::from_micros(500)), || {
-        build_opts(
-            ctx,
-            st,
-            Duration::from_secs(30),
-            Some(SMALL_SLOT),
-            Some(algo),
-        )
-    })?;
+    let (mut arx, s) = build_last_slow(ctx, st, algo, Duration::from_micros(500))?;
     let m = arx.max_count::<f32>();
     let calls: u64 = if ctx.quick { 8 } else { 24 };
     let mut keep = Vec::new();
@@ -320,16 +311,7 @@ pub(super) fn chunked_graphs_two_streams(ctx: &Ctx, st: Staging) -> R {
 }
 
 fn graphs_two_streams(ctx: &Ctx, st: Staging, algo: arx::Algo, first: u64) -> R {
-    let slow = ctx.rank == ctx.n - 1;
-    let (mut arx, a) = with_sum_delay(slow.then(|| Duration::from_micros(300)), || {
-        build_opts(
-            ctx,
-            st,
-            Duration::from_secs(30),
-            Some(SMALL_SLOT),
-            Some(algo),
-        )
-    })?;
+    let (mut arx, a) = build_last_slow(ctx, st, algo, Duration::from_micros(300))?;
     let b = arx
         .cuda_context()
         .ok_or("no context")?
@@ -413,39 +395,19 @@ fn graphs_two_streams(ctx: &Ctx, st: Staging, algo: arx::Algo, first: u64) -> R 
 /// (kernels/arx_abi.h, "A call longer than one slot"), so a GPU rank and
 /// a host rank take part in one call chunk by chunk.
 pub(super) fn chunked_gpu_and_host(ctx: &Ctx, st: Staging) -> R {
-    let slow = ctx.rank == ctx.n - 1;
     let rounds: u64 = if ctx.quick { 4 } else { 10 };
     for (algo, first) in [
         (arx::Algo::OneShot, 0xC_E000u64),
         (arx::Algo::TwoShot, 0xC_E100),
     ] {
-        let (mut arx, s) = with_sum_delay(slow.then(|| Duration::from_micros(300)), || {
-            build_opts(
-                ctx,
-                st,
-                Duration::from_secs(30),
-                Some(SMALL_SLOT),
-                Some(algo),
-            )
-        })?;
+        let (mut arx, s) = build_last_slow(ctx, st, algo, Duration::from_micros(300))?;
         let m = arx.max_count::<f32>();
         for k in 0..rounds {
             let gpu = (ctx.rank as u64 + k) % 2 == 0;
             // 3 to 7 chunks of m / 2, the last of 1 to 3 elements.
             let n = m / 2 * (2 + k as usize % 5) + 1 + k as usize % 3;
             let (x, want) = call_data::<f32>(ctx, first + k, n);
-            let got = if gpu {
-                let din = up(&s, &x)?;
-                let mut dout = poisoned::<f32>(&s, n)?;
-                arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
-                down(&s, &dout)?
-            } else {
-                let mut out = vec![0f32; n];
-                verify::poison(&mut out);
-                arx.allreduce_host(&x, &mut out)
-                    .map_err(e("allreduce_host"))?;
-                out
-            };
+            let got = allreduce_either(&mut arx, &s, gpu, &x)?;
             arx.check().map_err(e("check"))?;
             ctx.fold(&got);
             compare(

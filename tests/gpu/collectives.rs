@@ -355,18 +355,7 @@ pub(super) fn gpu_and_host_mixed(ctx: &Ctx, st: Staging) -> R {
         // all-reduces below and above the two-shot threshold
         for (j, n) in [256usize, 256 << 10].into_iter().enumerate() {
             let (x, want) = call_data::<f32>(ctx, call + 2 + j as u64, n);
-            let got = if gpu {
-                let din = up(&s, &x)?;
-                let mut dout = poisoned::<f32>(&s, n)?;
-                arx.allreduce(&din, &mut dout, &s).map_err(e("allreduce"))?;
-                down(&s, &dout)?
-            } else {
-                let mut out = vec![0f32; n];
-                verify::poison(&mut out);
-                arx.allreduce_host(&x, &mut out)
-                    .map_err(e("allreduce_host"))?;
-                out
-            };
+            let got = allreduce_either(&mut arx, &s, gpu, &x)?;
             arx.check().map_err(e("check"))?;
             ctx.fold(&got);
             compare(

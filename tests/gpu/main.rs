@@ -590,6 +590,45 @@ fn build_opts(
     Ok((arx, s))
 }
 
+/// [`build_opts`] with the small slot of the chunked cases, `algo`, a 30 s
+/// timeout, and this rank slowed by `delay` before each sum if it is the
+/// last rank (the pipelined-chunk cases' one slow rank).
+fn build_last_slow(
+    ctx: &Ctx,
+    st: Staging,
+    algo: arx::Algo,
+    delay: Duration,
+) -> R<(Arx, Arc<CudaStream>)> {
+    let slow = ctx.rank == ctx.n - 1;
+    with_sum_delay(slow.then_some(delay), || {
+        build_opts(
+            ctx,
+            st,
+            Duration::from_secs(30),
+            Some(SMALL_SLOT),
+            Some(algo),
+        )
+    })
+}
+
+/// One f32 all-reduce of `x` on the GPU side (`gpu`: device buffers on
+/// `s`, the output poisoned) or the host side (a poisoned host output);
+/// returns the output.
+fn allreduce_either(arx: &mut Arx, s: &Arc<CudaStream>, gpu: bool, x: &[f32]) -> R<Vec<f32>> {
+    if gpu {
+        let din = up(s, x)?;
+        let mut dout = poisoned::<f32>(s, x.len())?;
+        arx.allreduce(&din, &mut dout, s).map_err(e("allreduce"))?;
+        down(s, &dout)
+    } else {
+        let mut out = vec![0f32; x.len()];
+        verify::poison(&mut out);
+        arx.allreduce_host(x, &mut out)
+            .map_err(e("allreduce_host"))?;
+        Ok(out)
+    }
+}
+
 fn up<T: DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> R<CudaSlice<T>> {
     s.clone_htod(v).map_err(e("clone_htod"))
 }
