@@ -312,7 +312,10 @@ __device__ __forceinline__ void reduce_span(u32 op, u32 world, u32 me, const typ
  * units' loads in flight at once (two ranks' operands each): a thread that
  * owns several units waits for a few round trips to the (PCIe-distant)
  * peers' partials, not one per unit. Rank order and one rounding as
- * reduce_span. */
+ * reduce_span. Used by the one-block path (a 16 KB call: four units per
+ * thread); the multi-block sum keeps one unit at a time (reduce_span):
+ * with reduce_units there it was 1.3-3.9 us slower at 32-64 KB, 2 ranks
+ * under MPS (three alternated rounds, docs/GPU.md). */
 template <class T>
 __device__ __forceinline__ void reduce_units(u32 op, u32 world, u32 me, const typename T::S *in,
                                              const unsigned char *recv, u64 slot,
@@ -657,9 +660,16 @@ __device__ void oneshot_run(const arx_params_t &p) {
             test_pause(p);
         }
 
-        /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid. */
-        reduce_units<T>(op, world, me, in, recv, slot, out, count, c * per_chunk + tid, bd, unroll,
-                        vec);
+        /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid (one
+         * unit at a time: see reduce_units). */
+        for (u32 k = 0; k < unroll; k++) {
+            u32 u = c * per_chunk + k * bd + tid;
+            if (u >= nunits) break;
+            u32 e0 = u * unit;
+            u32 n = e0 + unit < count ? unit : count - e0;
+            reduce_span<T>(op, world, me, in + e0, recv, slot, (u64)e0 * sizeof(S), out + e0,
+                           (S *)0, n, vec && n == VE);
+        }
     }
 
     /* ---- leave: the last block out closes the call ---- */
