@@ -193,6 +193,12 @@ typedef unsigned int uint32_t;
 #define ARX_STATUS_ABORTED 2u
 /* A peer called with another count or dtype (its flag word in err_flag). */
 #define ARX_STATUS_MISMATCH 3u
+/* The device side's wait failed with nothing recorded: an internal
+ * invariant of arx broke (a bug). Recorded so that the call fails (output
+ * NaN, an error naming it) instead of returning Ok with the output
+ * unwritten. err_peer is this rank, err_lane ARX_LANE_INTERNAL. */
+#define ARX_STATUS_INTERNAL 4u
+#define ARX_LANE_INTERNAL 0xFFFFFFFEu
 
 /* Control block, at offset 0 of the region (one 256-byte block). */
 typedef struct arx_ctrl {

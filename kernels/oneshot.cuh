@@ -239,7 +239,12 @@ __device__ bool wait_peers(const arx_params_t &p, arx_ctrl_t *ctrl, arx_gpu_stat
             break;
         }
     }
-    /* `failed` and the exit reason are uniform across the block. */
+    /* `failed` and the exit reason are uniform across the block. Every
+     * failed exit has recorded its cause (a mismatch, or the stop's reason
+     * before the last barrier); should one ever not have, record that, so
+     * the call cannot return Ok with its sums skipped (arx_fail keeps the
+     * first failure: a no-op when one is recorded). */
+    if (failed && tid == 0) arx_fail(ctrl, st, ARX_STATUS_INTERNAL, me, ARX_LANE_INTERNAL, seq, 0);
     return failed;
 }
 
@@ -471,6 +476,60 @@ __device__ __forceinline__ void test_pause(const arx_params_t &p) {
     __syncthreads();
 }
 
+/* What both one-shot paths derive from arx_params_t: the call's place in
+ * the region, its seq and flag, and how its elements split into units (a
+ * 16-byte vector when input and output are aligned, else one element) and
+ * chunks (`unroll` units per thread of the block). Every block reads seq
+ * before it can depart; the last block to depart advances it, so every
+ * block of a launch sees the same value. */
+template <class S> struct OneshotCall {
+    unsigned char *region;
+    arx_ctrl_t *ctrl;
+    arx_gpu_state_t *st;
+    u32 world, me;
+    u64 slot;
+    /* A refused call (dtype INVALID) announces its count but moves no data. */
+    bool valid;
+    u32 count;
+    u64 seq;
+    u32 par, op;
+    u64 flag;
+    /* Where this chunk's data sits in its slots (arx_abi.h: ARX_FLAG_HIGH). */
+    u64 base;
+    const S *in;
+    S *out, *send;
+    /* The peers' partials of this call's parity, slot r for rank r. */
+    const unsigned char *recv;
+    bool vec;
+    u32 unit, nunits, unroll, per_chunk, nchunks;
+
+    __device__ explicit OneshotCall(const arx_params_t &p) {
+        region = (unsigned char *)p.region;
+        ctrl = (arx_ctrl_t *)(region + p.layout.ctrl_off);
+        st = (arx_gpu_state_t *)p.state;
+        world = p.layout.world;
+        me = p.layout.rank;
+        slot = p.layout.slot_bytes;
+        valid = p.dtype != ARX_DTYPE_INVALID;
+        count = valid ? p.count : 0u;
+        seq = st->seq + 1;
+        par = (u32)(seq & 1);
+        op = p.op & ARX_FLAG_OP_MASK;
+        flag = make_flag(seq, op, p.dtype, p.count, p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
+        base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
+        in = (const S *)p.input;
+        out = (S *)p.output;
+        send = (S *)(region + p.layout.send_off + par * slot + base);
+        recv = region + p.layout.recv_off + (u64)par * world * slot + base;
+        vec = ((p.input | p.output) & 15ull) == 0;
+        unit = vec ? 16u / (u32)sizeof(S) : 1u;
+        nunits = (count + unit - 1) / unit;
+        unroll = p.unroll > 0 ? p.unroll : 1u;
+        per_chunk = blockDim.x * unroll;
+        nchunks = (nunits + per_chunk - 1) / per_chunk;
+    }
+};
+
 /* A call the host launched as one block (one-shot calls up to 16 KB,
  * ONE_BLOCK_BYTES in src/device/gpu.rs) that is not part of a pipelined
  * call, with SM staging: the same steps and the
@@ -485,59 +544,37 @@ __device__ __forceinline__ void test_pause(const arx_params_t &p) {
 template <class T>
 __device__ void oneshot_single(const arx_params_t &p) {
     typedef typename T::S S;
-    const u32 VE = 16 / sizeof(S);
     const u32 tid = threadIdx.x;
     const u32 bd = blockDim.x;
-    unsigned char *region = (unsigned char *)p.region;
-    arx_ctrl_t *ctrl = (arx_ctrl_t *)(region + p.layout.ctrl_off);
-    arx_gpu_state_t *st = (arx_gpu_state_t *)p.state;
-    const u32 world = p.layout.world;
-    const u32 me = p.layout.rank;
-    const u64 slot = p.layout.slot_bytes;
-    const bool valid = p.dtype != ARX_DTYPE_INVALID;
-    const u32 count = valid ? p.count : 0u;
+    const OneshotCall<S> cl(p);
 
     __shared__ u32 s_slot;
     __shared__ u32 s_status;
 
-    const u64 seq = st->seq + 1;
-    const u32 par = (u32)(seq & 1);
-    const u32 op = p.op & ARX_FLAG_OP_MASK;
-    const u64 flag = make_flag(seq, op, p.dtype, p.count, p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
-    const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
-    const S *in = (const S *)p.input;
-    S *out = (S *)p.output;
-    S *send = (S *)(region + p.layout.send_off + par * slot + base);
-    const bool vec = ((p.input | p.output) & 15ull) == 0;
-    const u32 unit = vec ? VE : 1u;
-    const u32 nunits = (count + unit - 1) / unit;
-    const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
-    const u32 per_chunk = bd * unroll;
-    const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
-
-    bool failed = block_status(st, &s_slot) != 0;
+    bool failed = block_status(cl.st, &s_slot) != 0;
     if (!failed) {
-        for (u32 c = 0; c < nchunks; c++) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec);
+        for (u32 c = 0; c < cl.nchunks; c++)
+            stage_chunk<S>(cl.in, cl.send, cl.count, c, cl.per_chunk, cl.unroll, cl.vec);
         __syncthreads();
-        if (tid == 0) publish_call(ctrl, seq, flag, (u64)count * sizeof(S));
-        failed = wait_peers(p, ctrl, st, seq, flag, (const u32 *)0, 0, &s_slot, &s_status);
+        if (tid == 0) publish_call(cl.ctrl, cl.seq, cl.flag, (u64)cl.count * sizeof(S));
+        failed = wait_peers(p, cl.ctrl, cl.st, cl.seq, cl.flag, (const u32 *)0, 0, &s_slot,
+                            &s_status);
     }
     if (!failed) test_pause(p);
-    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
     if (!failed)
-        reduce_units<T>(op, world, me, in, recv, slot, out, count, tid, bd, (nunits + bd - 1) / bd,
-                        vec);
+        reduce_units<T>(cl.op, cl.world, cl.me, cl.in, cl.recv, cl.slot, cl.out, cl.count, tid,
+                        bd, (cl.nunits + bd - 1) / bd, cl.vec);
 
     /* leave: the grid's status is this block's (arx_fail records it) */
-    const u32 status = block_status(st, &s_slot);
+    const u32 status = block_status(cl.st, &s_slot);
     if (status != 0) {
-        for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
+        for (u32 e = tid; e < cl.count; e += bd) cl.out[e] = T::poison();
     }
     if (tid == 0) {
         /* The tickets were not touched; the next launch reads seq after
          * this kernel ends (stream order). */
-        st->seq = seq;
-        if (status == 0) st_relaxed_sys_u64(&ctrl->done, seq);
+        cl.st->seq = cl.seq;
+        if (status == 0) st_relaxed_sys_u64(&cl.ctrl->done, cl.seq);
     }
 }
 
@@ -552,38 +589,11 @@ __device__ void oneshot_run(const arx_params_t &p) {
     const u32 VE = 16 / sizeof(S); /* elements per 16-byte vector */
     const u32 tid = threadIdx.x;
     const u32 bd = blockDim.x;
-    unsigned char *region = (unsigned char *)p.region;
-    arx_ctrl_t *ctrl = (arx_ctrl_t *)(region + p.layout.ctrl_off);
-    arx_gpu_state_t *st = (arx_gpu_state_t *)p.state;
-    const u32 world = p.layout.world;
-    const u32 me = p.layout.rank;
-    const u64 slot = p.layout.slot_bytes;
-    /* A refused call (dtype INVALID) announces its count but moves no data. */
-    const bool valid = p.dtype != ARX_DTYPE_INVALID;
-    const u32 count = valid ? p.count : 0u;
+    const OneshotCall<S> cl(p);
 
     __shared__ u32 s_ticket;
     __shared__ u32 s_poll;
     __shared__ u32 s_status;
-
-    /* Every block reads seq before it can depart; the last block to depart
-     * advances it, so every block of this launch sees the same value. */
-    const u64 seq = st->seq + 1;
-    const u32 par = (u32)(seq & 1);
-    const u32 op = p.op & ARX_FLAG_OP_MASK;
-    const u64 flag = make_flag(seq, op, p.dtype, p.count, p.more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
-    /* Where this chunk's data sits in its slots (arx_abi.h: ARX_FLAG_HIGH). */
-    const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
-
-    const S *in = (const S *)p.input;
-    S *out = (S *)p.output;
-    S *send = (S *)(region + p.layout.send_off + par * slot + base);
-    const bool vec = ((p.input | p.output) & 15ull) == 0;
-    const u32 unit = vec ? VE : 1u; /* elements per thread per chunk */
-    const u32 nunits = (count + unit - 1) / unit;
-    const u32 unroll = p.unroll > 0 ? p.unroll : 1u;
-    const u32 per_chunk = bd * unroll; /* units per chunk */
-    const u32 nchunks = (nunits + per_chunk - 1) / per_chunk;
     /* Pipelined chunks (SM staging only, arx_abi.h "A call longer than one
      * slot"): `pre`, the previous launch staged and published this chunk;
      * `ahead`, once every peer's flags of this chunk are in, this launch
@@ -591,24 +601,24 @@ __device__ void oneshot_run(const arx_params_t &p) {
      * half) and publishes it (the gate: staged, this chunk published,
      * flags in), then sums: the next chunk's sends overlap this chunk's
      * sum. */
-    const bool pipe = valid && p.sm_staging;
+    const bool pipe = cl.valid && p.sm_staging;
     const bool pre = pipe && p.prestaged != 0;
     const bool ahead = pipe && p.next_count != 0;
     /* At least one of each so that a zero-length call still publishes and
      * waits (its flags keep the ranks in step); none when prestaged. */
-    const u32 nstage = pre ? 0u : p.sm_staging ? (nchunks > 0 ? nchunks : 1u) : 1u;
-    const u32 nsum = nchunks > 0 ? nchunks : 1u;
+    const u32 nstage = pre ? 0u : p.sm_staging ? (cl.nchunks > 0 ? cl.nchunks : 1u) : 1u;
+    const u32 nsum = cl.nchunks > 0 ? cl.nchunks : 1u;
 
     /* The next chunk, when `ahead`. */
     const u32 ncount = ahead ? p.next_count : 0u;
     const S *nin = (const S *)p.next_input;
-    S *nsend = (S *)(region + p.layout.send_off + (par ^ 1u) * slot +
-                     ((p.next_more & ARX_FLAG_HIGH) ? slot / 2 : 0));
+    S *nsend = (S *)(cl.region + p.layout.send_off + (cl.par ^ 1u) * cl.slot +
+                     ((p.next_more & ARX_FLAG_HIGH) ? cl.slot / 2 : 0));
     const bool nvec = (p.next_input & 15ull) == 0;
     const u32 nunit = nvec ? VE : 1u;
-    const u32 nchunks_next = ((ncount + nunit - 1) / nunit + per_chunk - 1) / per_chunk;
-    const u64 nflag =
-        make_flag(seq + 1, op, p.dtype, ncount, p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
+    const u32 nchunks_next = ((ncount + nunit - 1) / nunit + cl.per_chunk - 1) / cl.per_chunk;
+    const u64 nflag = make_flag(cl.seq + 1, cl.op, p.dtype, ncount,
+                                p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH));
     const u64 nbytes = (u64)ncount * sizeof(S);
 
     /* The grid's status and the first staging ticket in one round trip (a
@@ -616,8 +626,8 @@ __device__ void oneshot_run(const arx_params_t &p) {
      * staged: a failed call publishes nothing more). */
     __syncthreads();
     if (tid == 0) {
-        s_status = ld_relaxed_gpu_u32(&st->status);
-        s_ticket = nstage > 0 ? atomicAdd(&st->stage_next, 1u) : 0xFFFFFFFFu;
+        s_status = ld_relaxed_gpu_u32(&cl.st->status);
+        s_ticket = nstage > 0 ? atomicAdd(&cl.st->stage_next, 1u) : 0xFFFFFFFFu;
     }
     __syncthreads();
     bool failed = s_status != 0;
@@ -625,24 +635,25 @@ __device__ void oneshot_run(const arx_params_t &p) {
 
     /* ---- stage and publish this chunk (unless prestaged) ---- */
     if (!failed && nstage > 0) {
-        if (stage_all<S>(&st->stage_next, &st->staged, nstage, in, send, count, per_chunk, unroll,
-                         vec, p.sm_staging && nchunks > 0, &s_ticket, first) &&
+        if (stage_all<S>(&cl.st->stage_next, &cl.st->staged, nstage, cl.in, cl.send, cl.count,
+                         cl.per_chunk, cl.unroll, cl.vec, p.sm_staging && cl.nchunks > 0,
+                         &s_ticket, first) &&
             tid == 0) {
-            publish_call(ctrl, seq, flag, (u64)count * sizeof(S));
-            if (ahead) gate_arrive(ctrl, st, ARX_GATE_OWN, seq + 1, nflag, nbytes);
+            publish_call(cl.ctrl, cl.seq, cl.flag, (u64)cl.count * sizeof(S));
+            if (ahead) gate_arrive(cl.ctrl, cl.st, ARX_GATE_OWN, cl.seq + 1, nflag, nbytes);
         }
     }
     if (!failed && ahead && pre && tid == 0)
-        gate_arrive(ctrl, st, ARX_GATE_OWN, seq + 1, nflag, nbytes);
+        gate_arrive(cl.ctrl, cl.st, ARX_GATE_OWN, cl.seq + 1, nflag, nbytes);
 
     /* ---- wait for every peer, stage the next chunk (pipelined), sum ---- */
-    const unsigned char *recv = region + p.layout.recv_off + (u64)par * world * slot + base;
     bool ready = false;
     while (!failed) {
-        u32 c = block_ticket(&st->sum_next, &s_ticket);
+        u32 c = block_ticket(&cl.st->sum_next, &s_ticket);
         if (c >= nsum) break;
         if (!ready) {
-            failed = wait_peers(p, ctrl, st, seq, flag, &st->staged, nstage, &s_poll, &s_status);
+            failed = wait_peers(p, cl.ctrl, cl.st, cl.seq, cl.flag, &cl.st->staged, nstage,
+                                &s_poll, &s_status);
             if (failed) break;
             ready = true;
             if (ahead) {
@@ -651,39 +662,41 @@ __device__ void oneshot_run(const arx_params_t &p) {
                  * chunk, whole slots), which this rank's proxy may still be
                  * sending; every peer's flag of this call says the peer
                  * has had that call's partial from this rank. */
-                if (tid == 0) gate_arrive(ctrl, st, ARX_GATE_FLAGS, seq + 1, nflag, nbytes);
-                if (stage_all<S>(&st->next_stage_next, &st->next_staged, nchunks_next, nin, nsend,
-                                 ncount, per_chunk, unroll, nvec, true, &s_ticket) &&
+                if (tid == 0)
+                    gate_arrive(cl.ctrl, cl.st, ARX_GATE_FLAGS, cl.seq + 1, nflag, nbytes);
+                if (stage_all<S>(&cl.st->next_stage_next, &cl.st->next_staged, nchunks_next, nin,
+                                 nsend, ncount, cl.per_chunk, cl.unroll, nvec, true, &s_ticket) &&
                     tid == 0)
-                    gate_arrive(ctrl, st, ARX_GATE_STAGED, seq + 1, nflag, nbytes);
+                    gate_arrive(cl.ctrl, cl.st, ARX_GATE_STAGED, cl.seq + 1, nflag, nbytes);
             }
             test_pause(p);
         }
 
         /* Sum chunk c: thread tid owns units c*per_chunk + k*bd + tid (one
          * unit at a time: see reduce_units). */
-        for (u32 k = 0; k < unroll; k++) {
-            u32 u = c * per_chunk + k * bd + tid;
-            if (u >= nunits) break;
-            u32 e0 = u * unit;
-            u32 n = e0 + unit < count ? unit : count - e0;
-            reduce_span<T>(op, world, me, in + e0, recv, slot, (u64)e0 * sizeof(S), out + e0,
-                           (S *)0, n, vec && n == VE);
+        for (u32 k = 0; k < cl.unroll; k++) {
+            u32 u = c * cl.per_chunk + k * bd + tid;
+            if (u >= cl.nunits) break;
+            u32 e0 = u * cl.unit;
+            u32 n = e0 + cl.unit < cl.count ? cl.unit : cl.count - e0;
+            reduce_span<T>(cl.op, cl.world, cl.me, cl.in + e0, cl.recv, cl.slot,
+                           (u64)e0 * sizeof(S), cl.out + e0, (S *)0, n, cl.vec && n == VE);
         }
     }
 
     /* ---- leave: the last block out closes the call ---- */
-    if (!depart_last(st, &s_ticket)) return;
+    if (!depart_last(cl.st, &s_ticket)) return;
     /* A call that did not publish (failed before staging) leaves nothing in
      * flight (copy-engine staging never pipelines). */
-    const u32 status = await_sent(ctrl, st, !p.sm_staging && ld_acquire_gpu_u32(&st->staged) >= nstage,
-                                  seq, me);
+    const u32 status =
+        await_sent(cl.ctrl, cl.st, !p.sm_staging && ld_acquire_gpu_u32(&cl.st->staged) >= nstage,
+                   cl.seq, cl.me);
     if (status != 0) {
         /* A failed call must not leave a plausible result behind (a graph
          * replay has no host to check): NaN everywhere. */
-        for (u32 e = tid; e < count; e += bd) out[e] = T::poison();
+        for (u32 e = tid; e < cl.count; e += bd) cl.out[e] = T::poison();
     }
-    close_launch(ctrl, st, seq, status);
+    close_launch(cl.ctrl, cl.st, cl.seq, status);
 }
 
 

@@ -90,6 +90,14 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
                 }
             }
         }
+        abi::ARX_STATUS_INTERNAL => Error::Kernel {
+            seq,
+            detail: format!(
+                "rank {me}: a device-side wait failed with no cause recorded: an internal \
+                 invariant of arx broke (a bug; please report it with this message and \
+                 ARX_LOG=debug output); the output was filled with NaN"
+            ),
+        },
         other => Error::Kernel {
             seq,
             detail: format!("rank {me}: unknown status {other} in the control block"),
