@@ -127,7 +127,62 @@ fn own_wait(flag: u64) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::own_wait;
+    use super::{error, own_wait, record};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use crate::abi;
+    use crate::config::{Config, Overrides};
+    use crate::error::Error;
+    use crate::fabric::fake::FakeFabric;
+    use crate::layout::{Layout, Region};
+    use crate::proxy::Proxy;
+
+    /// What `error` makes of `code` recorded for call 7 by rank 0 of 2.
+    fn recorded_as(code: u32, peer: u32, lane: u32) -> Option<Error> {
+        let layout = Layout::new(2, 0, 64 << 10).unwrap();
+        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
+        let o = Overrides {
+            timeout: Some(Duration::from_millis(250)),
+            ..Default::default()
+        };
+        let cfg = Config::resolve_with(&o, |_| None).unwrap();
+        let (fabric, _control) = FakeFabric::new();
+        let proxy =
+            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        assert!(
+            error(&region, &layout, &proxy.link()).is_none(),
+            "nothing recorded yet"
+        );
+        record(&region, code, peer, lane, 7, 0);
+        error(&region, &layout, &proxy.link())
+    }
+
+    #[test]
+    fn every_recorded_code_becomes_an_error_that_names_it() {
+        // The kernel's invariant check (kernels/oneshot.cuh, end of
+        // wait_peers): said as a broken invariant, not as an unknown code.
+        match recorded_as(abi::ARX_STATUS_INTERNAL, 0, abi::ARX_LANE_INTERNAL) {
+            Some(Error::Kernel { seq: 7, detail }) => {
+                assert!(detail.contains("invariant"), "{detail}");
+                assert!(detail.contains("rank 0"), "{detail}");
+                assert!(!detail.contains("unknown status"), "{detail}");
+            }
+            other => panic!("INTERNAL gave {other:?}"),
+        }
+        match recorded_as(abi::ARX_STATUS_TIMEOUT, 1, 0) {
+            Some(Error::Timeout { detail, .. }) => {
+                assert!(detail.contains("peer 1 lane 0"), "{detail}")
+            }
+            other => panic!("TIMEOUT gave {other:?}"),
+        }
+        match recorded_as(99, 1, 0) {
+            Some(Error::Kernel { detail, .. }) => {
+                assert!(detail.contains("unknown status 99"), "{detail}")
+            }
+            other => panic!("99 gave {other:?}"),
+        }
+    }
 
     #[test]
     fn own_wait_decodes_the_kernels_fields() {
