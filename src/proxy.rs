@@ -58,9 +58,28 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(fabric: Box<dyn Fabric>, region: Arc<Region>, layout: &Layout) -> Self {
+        Shared {
+            engine: Mutex::new(Engine {
+                fabric,
+                posted: 0,
+                sent: 0,
+            }),
+            slot_bytes: layout.slot_bytes(),
+            region,
+            stop: AtomicBool::new(false),
+            running: AtomicBool::new(true),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            trace: Trace::new(),
+            thread: std::sync::OnceLock::new(),
+        }
+    }
+
     /// Posts every published seq not yet posted, then reaps completions.
-    /// Returns true if it posted anything. `wait` false: skip if another
-    /// thread is pumping.
+    /// Returns true if it posted anything, or the fabric's progress did work
+    /// of its own (a relay's forward): the proxy thread then stays hot.
+    /// `wait` false: skip if another thread is pumping.
     pub fn pump(&self, wait: bool) -> bool {
         let mut g = match if wait {
             Ok(self.engine.lock().unwrap_or_else(|e| e.into_inner()))
@@ -111,8 +130,9 @@ impl Shared {
             g.posted = seq;
             busy = true;
         }
-        if let Err(e) = g.fabric.progress() {
-            self.record(e);
+        match g.fabric.progress() {
+            Ok(worked) => busy |= worked,
+            Err(e) => self.record(e),
         }
         let sent = next_sent(
             g.sent,
@@ -201,21 +221,7 @@ impl Proxy {
         cfg: &Config,
         cpu: Option<usize>,
     ) -> Result<Self> {
-        let shared = Arc::new(Shared {
-            engine: Mutex::new(Engine {
-                fabric,
-                posted: 0,
-                sent: 0,
-            }),
-            slot_bytes: layout.slot_bytes(),
-            region,
-            stop: AtomicBool::new(false),
-            running: AtomicBool::new(true),
-            failed: AtomicBool::new(false),
-            error: Mutex::new(None),
-            trace: Trace::new(),
-            thread: std::sync::OnceLock::new(),
-        });
+        let shared = Arc::new(Shared::new(fabric, region, &layout));
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
         let thread = std::thread::Builder::new()
@@ -508,8 +514,8 @@ mod tests {
         fn post(&mut self, _seq: u64, _bytes: usize, _flag: u64) -> Result<()> {
             Ok(())
         }
-        fn progress(&mut self) -> Result<()> {
-            Ok(())
+        fn progress(&mut self) -> Result<bool> {
+            Ok(false)
         }
         fn quiescent(&self) -> bool {
             true
@@ -558,6 +564,25 @@ mod tests {
         .unwrap();
         drop(proxy);
         assert_eq!(*log.lock().unwrap(), ["fabric", "region"]);
+    }
+
+    #[test]
+    fn the_fabrics_own_work_counts_as_busy() {
+        // A relay forwards a neighbour's partial from `progress`; if that
+        // did not count, the proxy would back off into naps between
+        // relayed partials. Pumped here without a proxy thread, so nothing
+        // else consumes the fabric's report.
+        let layout = Layout::new(2, 0, 4096).unwrap();
+        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
+        let (fabric, control) = FakeFabric::new();
+        let s = Shared::new(Box::new(fabric), Arc::clone(&region), &layout);
+        assert!(!s.pump(true), "nothing published, nothing forwarded");
+        control.work.store(true, Ordering::Release);
+        assert!(s.pump(true), "the fabric forwarded something");
+        assert!(!s.pump(true), "idle again");
+        protocol::publish(&*region, 1, flag_word(1, 3, 8), 32);
+        assert!(s.pump(true), "posted call 1");
+        assert!(!s.pump(true), "nothing new");
     }
 
     #[test]

@@ -52,15 +52,17 @@ impl Fabric for Delayed {
             .push_back((Instant::now() + self.delay, seq, bytes, flag));
         Ok(())
     }
-    fn progress(&mut self) -> Result<()> {
+    fn progress(&mut self) -> Result<bool> {
+        let mut posted = false;
         while let Some(&(due, seq, bytes, flag)) = self.queue.front() {
             if Instant::now() < due {
                 break;
             }
             self.queue.pop_front();
             self.inner.post(seq, bytes, flag)?;
+            posted = true;
         }
-        self.inner.progress()
+        Ok(self.inner.progress()? || posted)
     }
     fn quiescent(&self) -> bool {
         self.queue.is_empty() && self.inner.quiescent()

@@ -25,8 +25,12 @@ pub(crate) trait Fabric: Send {
     fn post(&mut self, seq: u64, bytes: usize, flag: u64) -> Result<()>;
     /// Reaps completions; an error names the peer, lane and device. Keeps
     /// reaping after a failure (returning the failure again), so that WRs
-    /// flushed by a broken endpoint stop counting as outstanding.
-    fn progress(&mut self) -> Result<()>;
+    /// flushed by a broken endpoint stop counting as outstanding. `Ok(true)`
+    /// when it posted something of its own (a relay's forward, a delayed
+    /// post): the proxy then keeps polling hot instead of backing off, as
+    /// after posting a call of this rank (a relayed partial is as urgent
+    /// as one's own, and a napping proxy would delay the next one).
+    fn progress(&mut self) -> Result<bool>;
     /// True when nothing posted is outstanding any more: every write
     /// completed locally, successfully or flushed by a failure.
     fn quiescent(&self) -> bool;
@@ -76,7 +80,7 @@ pub(crate) trait Fabric: Send {
 /// nowhere, and the test decides how far they have completed.
 #[cfg(test)]
 pub(crate) mod fake {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
 
     use super::Fabric;
@@ -90,6 +94,9 @@ pub(crate) mod fake {
         pub completed: AtomicU64,
         /// `post` of this call (and later) fails; 0: never.
         pub fail_at: AtomicU64,
+        /// The next `progress` reports work of its own (as a relay's
+        /// forward), once.
+        pub work: AtomicBool,
     }
 
     pub(crate) struct FakeFabric {
@@ -122,8 +129,9 @@ pub(crate) mod fake {
             self.posted = seq;
             Ok(())
         }
-        fn progress(&mut self) -> Result<()> {
-            Ok(())
+        fn progress(&mut self) -> Result<bool> {
+            // A test's "work": one report per request.
+            Ok(self.control.work.swap(false, Ordering::AcqRel))
         }
         fn quiescent(&self) -> bool {
             self.control.completed.load(Ordering::Acquire) >= self.posted

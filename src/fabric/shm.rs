@@ -372,8 +372,8 @@ impl Fabric for ShmFabric {
         Ok(())
     }
 
-    fn progress(&mut self) -> Result<()> {
-        Ok(())
+    fn progress(&mut self) -> Result<bool> {
+        Ok(false)
     }
 
     fn quiescent(&self) -> bool {

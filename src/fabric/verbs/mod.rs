@@ -260,7 +260,7 @@ impl Fabric for VerbsFabric {
         self.links[i].qp.inject_error()
     }
 
-    fn progress(&mut self) -> Result<()> {
+    fn progress(&mut self) -> Result<bool> {
         // Reap even after a failure: flushed WRs must be counted so that
         // `quiescent` can tell the proxy that nothing is outstanding.
         let reaped = self.reap();
@@ -271,10 +271,14 @@ impl Fabric for VerbsFabric {
             let seq = self.last_seq;
             return Err(self.fail(e, seq));
         }
+        let mut forwarded = false;
         if !self.relays.is_empty() {
-            if let Err(e) = self.forward() {
-                let seq = self.last_seq;
-                return Err(self.fail(e, seq));
+            match self.forward() {
+                Ok(f) => forwarded = f,
+                Err(e) => {
+                    let seq = self.last_seq;
+                    return Err(self.fail(e, seq));
+                }
             }
         }
         if self.tail && self.last_post.elapsed() > FLUSH_AFTER {
@@ -285,7 +289,7 @@ impl Fabric for VerbsFabric {
             self.polls = 0;
             self.flush_tails(true)?;
         }
-        Ok(())
+        Ok(forwarded)
     }
 
     fn needs_collective_close(&self) -> bool {
