@@ -232,7 +232,12 @@ fn cleanup(ctx: &Ctx) -> Result<(), String> {
         .split_once(':')
         .and_then(|(p, r)| Some((p, r.parse::<usize>().ok()?)))
         .ok_or_else(|| format!("bad hook {hook}"))?;
-    let r = builder().build(ctx.world).map(|_| ());
+    // The ranks left behind wait for the missing one until the start-up
+    // bound: 10 s rather than the default 60 s (CI time).
+    let r = builder()
+        .init_timeout(Duration::from_secs(10))
+        .build(ctx.world)
+        .map(|_| ());
     // Every rank is out of Arx::new before anyone looks at /dev/shm.
     ctx.world.barrier();
     let mut problems = Vec::new();
