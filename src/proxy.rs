@@ -613,17 +613,13 @@ mod tests {
     /// device side waiting for it is released before its timeout.
     #[test]
     fn a_failed_proxy_releases_sent_once_nothing_is_outstanding() {
-        let layout = Layout::new(2, 0, 4096).unwrap();
-        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
         let o = Overrides {
             timeout: Some(Duration::from_secs(10)),
             ..Default::default()
         };
-        let cfg = Config::resolve_with(&o, |_| None).unwrap();
-        let (fabric, control) = FakeFabric::new();
+        // (Nothing is published before fail_at is set: no post can precede it.)
+        let (region, _layout, _cfg, control, proxy) = crate::fabric::fake::proxy_rig(4096, &o);
         control.fail_at.store(2, Ordering::Release);
-        let proxy =
-            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
         let ctrl = region.ctrl();
         for seq in 1..=3u64 {
             ctrl.meta((seq & 1) as usize).store(

@@ -359,7 +359,7 @@ mod tests {
     use crate::config::{Config, Overrides, Staging};
     use crate::dtype::Element;
     use crate::error::{Error, Result};
-    use crate::fabric::fake::{Control, FakeFabric};
+    use crate::fabric::fake::{proxy_rig, Control};
     use crate::layout::{flag_word, Layout, Region};
     use crate::proxy::Proxy;
     use crate::verify;
@@ -378,17 +378,12 @@ mod tests {
     }
 
     fn rig(staging: Staging, timeout: Duration) -> Rig {
-        let layout = Layout::new(2, 0, 64 << 10).unwrap();
-        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
         let o = Overrides {
             staging: Some(staging),
             timeout: Some(timeout),
             ..Default::default()
         };
-        let cfg = Config::resolve_with(&o, |_| None).unwrap();
-        let (fabric, control) = FakeFabric::new();
-        let proxy =
-            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        let (region, layout, cfg, control, proxy) = proxy_rig(64 << 10, &o);
         Rig {
             region,
             layout,

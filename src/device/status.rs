@@ -128,28 +128,20 @@ fn own_wait(flag: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::{error, own_wait, record};
-    use std::sync::Arc;
     use std::time::Duration;
 
     use crate::abi;
-    use crate::config::{Config, Overrides};
+    use crate::config::Overrides;
     use crate::error::Error;
-    use crate::fabric::fake::FakeFabric;
-    use crate::layout::{Layout, Region};
-    use crate::proxy::Proxy;
+    use crate::fabric::fake::proxy_rig;
 
     /// What `error` makes of `code` recorded for call 7 by rank 0 of 2.
     fn recorded_as(code: u32, peer: u32, lane: u32) -> Option<Error> {
-        let layout = Layout::new(2, 0, 64 << 10).unwrap();
-        let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
         let o = Overrides {
             timeout: Some(Duration::from_millis(250)),
             ..Default::default()
         };
-        let cfg = Config::resolve_with(&o, |_| None).unwrap();
-        let (fabric, _control) = FakeFabric::new();
-        let proxy =
-            Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None).unwrap();
+        let (region, layout, _cfg, _control, proxy) = proxy_rig(64 << 10, &o);
         assert!(
             error(&region, &layout, &proxy.link()).is_none(),
             "nothing recorded yet"

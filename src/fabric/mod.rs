@@ -117,6 +117,29 @@ pub(crate) mod fake {
         }
     }
 
+    /// Rank 0 of 2 (slots of `slot_bytes`) with a running proxy over a fake
+    /// fabric, settings from `o`: the region, its layout, the settings, the
+    /// fabric's control and the proxy.
+    pub(crate) fn proxy_rig(
+        slot_bytes: usize,
+        o: &crate::config::Overrides,
+    ) -> (
+        Arc<crate::layout::Region>,
+        crate::layout::Layout,
+        crate::config::Config,
+        Arc<Control>,
+        crate::proxy::Proxy,
+    ) {
+        let layout = crate::layout::Layout::new(2, 0, slot_bytes).unwrap();
+        let region = Arc::new(crate::layout::Region::anonymous(layout.region_bytes()).unwrap());
+        let cfg = crate::config::Config::resolve_with(o, |_| None).unwrap();
+        let (fabric, control) = FakeFabric::new();
+        let proxy =
+            crate::proxy::Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None)
+                .unwrap();
+        (region, layout, cfg, control, proxy)
+    }
+
     impl Fabric for FakeFabric {
         fn name(&self) -> &'static str {
             "fake"
