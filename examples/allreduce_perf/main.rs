@@ -108,9 +108,9 @@ use table::*;
     args_override_self = true
 )]
 struct Args {
-    /// Smallest size in bytes (K/M/G suffixes).
-    #[arg(short = 'b', long = "minbytes", default_value = "8")]
-    min: String,
+    /// Smallest size in bytes (K/M/G suffixes) [default: 8].
+    #[arg(short = 'b', long = "minbytes")]
+    min: Option<String>,
     /// Largest size in bytes (K/M/G suffixes). Sizes beyond the slot
     /// (`ARX_SLOT_BYTES`; by default 1 MiB, or the next power of two of
     /// this size if less) run as chunks of one slot.
@@ -169,7 +169,8 @@ struct Args {
     median: bool,
     /// Per-stage times of one call instead of the sweep: 8K, 64K, 256K and
     /// 1M (up to -e), -n calls each, of -d's type (bfloat16 for "all"),
-    /// every result checked; sum only; -b, -f, -G, -I, -a and -J do not apply.
+    /// every result checked; sum only. A -b given adds the small sizes 8,
+    /// 64, 512 and 2K from -b on. -f, -G, -I, -a and -J do not apply.
     /// See docs/GB10.md for what each column is and which model stage it
     /// checks.
     #[arg(long)]
@@ -284,7 +285,7 @@ fn dtype_name(dt: &str) -> &'static str {
 }
 
 fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
-    let min = arx::parse_bytes("-b", &args.min)
+    let min = arx::parse_bytes("-b", args.min.as_deref().unwrap_or("8"))
         .map_err(|e| e.to_string())?
         .max(1);
     let max = arx::parse_bytes("-e", &args.max)
@@ -371,7 +372,13 @@ fn run(args: &Args, world: &SimpleCommunicator) -> Result<u64, String> {
         size = size.saturating_mul(args.factor);
     }
     let wrong = if args.stages {
-        stages::run_stages(&mut run, &mut arx, &dtypes, max)?
+        stages::run_stages(
+            &mut run,
+            &mut arx,
+            &dtypes,
+            args.min.as_ref().map(|_| min),
+            max,
+        )?
     } else if gpu {
         run_gpu(&mut run, &mut arx, &dtypes, &sizes)?
     } else if args.graph > 0 {

@@ -29,6 +29,9 @@ use super::*;
 
 /// The sizes `--stages` measures (those up to `-e`).
 const SIZES: [usize; 4] = [8 << 10, 64 << 10, 256 << 10, 1 << 20];
+/// The sizes `--stages` adds below them when `-b` is given (those from
+/// `-b` on): where a call is mostly fixed cost.
+const SMALL: [usize; 4] = [8, 64, 512, 2 << 10];
 
 /// Each rank's median of `v` (µs), the largest over ranks; -1 where this
 /// rank has no sample on any rank. Collective.
@@ -121,6 +124,7 @@ pub(super) fn run_stages(
     run: &mut Run,
     arx: &mut Arx,
     dtypes: &[&'static str],
+    small_from: Option<usize>,
     max: usize,
 ) -> Result<u64, String> {
     let world = run.world;
@@ -129,7 +133,10 @@ pub(super) fn run_stages(
     } else {
         "bfloat16"
     };
-    let sizes: Vec<usize> = SIZES.iter().copied().filter(|&s| s <= max).collect();
+    let small = SMALL
+        .iter()
+        .filter(|&&s| small_from.is_some_and(|b| s >= b));
+    let sizes: Vec<usize> = small.chain(&SIZES).copied().filter(|&s| s <= max).collect();
     let d = arx.describe();
     let hosts = gather_text(world, &host_name());
     let gpu = arx.cuda_context().cloned();
