@@ -89,12 +89,22 @@ pub(crate) fn chunks(count: usize, per: usize) -> impl Iterator<Item = Chunk> {
 /// half `(j >> 1) & 1` of its slots — a one-shot's chunk `k` in half
 /// `(k >> 1) & 1`, a two-shot's in half `k & 1`.
 pub(crate) fn call_chunks(count: usize, whole: usize, calls: usize) -> impl Iterator<Item = Chunk> {
+    let per = if fits_one_slot(count, whole) {
+        whole.max(2)
+    } else {
+        whole.max(2) / 2
+    };
     let whole = whole.max(2);
-    let per = if count <= whole { whole } else { whole / 2 };
     chunks(count, per).enumerate().map(move |(k, mut c)| {
         c.high = count > whole && ((k * calls) >> 1) & 1 == 1;
         c
     })
+}
+
+/// Whether a `count`-element call is one chunk of [`call_chunks`] (the
+/// call itself) when one slot holds `whole` elements.
+pub(crate) fn fits_one_slot(count: usize, whole: usize) -> bool {
+    count <= whole.max(2)
 }
 
 /// The count field of a one-shot chunk's flag word: its element count and
@@ -125,8 +135,8 @@ pub(crate) fn host<T: Element>(
     algo: crate::Algo,
 ) -> (u64, Result<()>) {
     let calls = if algo == crate::Algo::TwoShot { 2 } else { 1 };
-    let cs: Vec<Chunk> = call_chunks(output.len(), whole, calls).collect();
-    if cs.len() == 1 {
+    // One chunk: no list of chunks (no allocation on a small call's path).
+    if fits_one_slot(output.len(), whole) {
         return if algo == crate::Algo::TwoShot {
             // A failure in either step leaves both seqs used (the second
             // may have been published).
@@ -138,6 +148,7 @@ pub(crate) fn host<T: Element>(
             (first, oneshot::host(env, first, input, output, false, op))
         };
     }
+    let cs: Vec<Chunk> = call_chunks(output.len(), whole, calls).collect();
     let mut io = Io { input, output };
     if algo == crate::Algo::TwoShot {
         twoshot::pipelined(env, first, &cs, &mut io, op)
@@ -165,13 +176,29 @@ impl<T: Element> Io<'_, T> {
 
 #[cfg(test)]
 mod tests {
-    use super::{call_chunks, chunks, count_field, Chunk};
+    use super::{call_chunks, chunks, count_field, fits_one_slot, Chunk};
     use crate::abi;
 
     fn all(count: usize, per: usize) -> Vec<(usize, usize, bool)> {
         chunks(count, per)
             .map(|Chunk { range, more, .. }| (range.start, range.end, more))
             .collect()
+    }
+
+    #[test]
+    fn one_slot_means_one_chunk() {
+        for whole in [0, 1, 2, 3, 8, 9] {
+            for count in 0..=3 * whole + 5 {
+                for calls in [1, 2] {
+                    let n = call_chunks(count, whole, calls).count();
+                    // A call that fits the slot (at least 2 elements: a
+                    // chunk is split in two halves) is one chunk.
+                    let fits = count <= whole.max(2);
+                    assert_eq!(fits, n == 1, "{count} in {whole}: {n} chunks");
+                    assert_eq!(fits_one_slot(count, whole), fits, "{count} in {whole}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -267,7 +267,9 @@ pub(crate) fn wait_flags_from(
     // reporting a failure (or a mismatched call) is seen even while another
     // peer is silent. A flag that arrived is not read again: its data is
     // ours for this call.
-    let start = Instant::now();
+    // The bound counts from the first round that found a flag missing:
+    // a call whose flags are all there reads no clock.
+    let mut start = None;
     let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
     let flags = (world - 1) * 2;
     let mut arrived = [0u64; FLAG_SET_WORDS];
@@ -299,6 +301,7 @@ pub(crate) fn wait_flags_from(
         // Keep our own sends moving (verbs completions, a full send queue)
         // while waiting.
         link.pump(false);
+        let start = *start.get_or_insert_with(Instant::now);
         if protocol::aborted(region) || start.elapsed() > cfg.timeout {
             let code = if protocol::aborted(region) {
                 abi::ARX_STATUS_ABORTED
