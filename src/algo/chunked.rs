@@ -89,14 +89,11 @@ pub(crate) fn chunks(count: usize, per: usize) -> impl Iterator<Item = Chunk> {
 /// half `(j >> 1) & 1` of its slots — a one-shot's chunk `k` in half
 /// `(k >> 1) & 1`, a two-shot's in half `k & 1`.
 pub(crate) fn call_chunks(count: usize, whole: usize, calls: usize) -> impl Iterator<Item = Chunk> {
-    let per = if fits_one_slot(count, whole) {
-        whole.max(2)
-    } else {
-        whole.max(2) / 2
-    };
+    let one = fits_one_slot(count, whole);
     let whole = whole.max(2);
+    let per = if one { whole } else { whole / 2 };
     chunks(count, per).enumerate().map(move |(k, mut c)| {
-        c.high = count > whole && ((k * calls) >> 1) & 1 == 1;
+        c.high = !one && ((k * calls) >> 1) & 1 == 1;
         c
     })
 }
