@@ -441,6 +441,11 @@ pub(crate) fn look<M: Memory + ?Sized>(
     // load keeps the reads of the slot after it): the lane's data, read next,
     // is this call's.
     let f = m.flag(parity(seq), src, lane).load(Ordering::Acquire);
+    judge(f, seq, flag)
+}
+
+/// [`look`]'s verdict on the word `f` read from a flag.
+pub(crate) fn judge(f: u64, seq: u64, flag: u64) -> Look {
     let s = flag_seq(f);
     if s == seq as u32 {
         if f == flag {

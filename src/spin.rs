@@ -7,9 +7,15 @@
 //! ranks on 2 cores) and long idle periods from starving the thread that
 //! would make progress.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::SpinMode;
+
+/// How long a word that looked wrong must keep one value before it is
+/// believed ([`settle`]).
+pub(crate) const SETTLE: Duration = Duration::from_millis(10);
+/// [`settle`]'s bound when the word never stops changing.
+const SETTLE_MAX: Duration = Duration::from_secs(1);
 
 /// Rounds of `yield_now` after the hot phase, before napping.
 const YIELD_ROUNDS: u32 = 2000;
@@ -70,5 +76,106 @@ impl Backoff {
     #[inline]
     pub(crate) fn reset(&mut self) {
         self.rounds = 0;
+    }
+}
+
+/// Re-reads a word that a peer's write may still be landing in, until it
+/// has kept one value for [`SETTLE`] or `good` accepts it; returns the last
+/// value read (bounded by one second when the word never stops changing).
+///
+/// An 8-byte RDMA write need not land as one store: soft-RoCE in an
+/// emulated machine copies it in pieces (CI once read a probe word whose
+/// digest had its upper 16 bits still zero). A real NIC's aligned 8-byte
+/// write lands whole, and a word that is simply not there yet needs no
+/// settling; so only a word that would fail the call (a flag of this call
+/// with another count, a probe word with other options) is settled, and
+/// the 10 ms are spent only on the way to an error.
+pub(crate) fn settle(mut read: impl FnMut() -> u64, first: u64, good: impl Fn(u64) -> bool) -> u64 {
+    let start = Instant::now();
+    let mut w = first;
+    let mut since = start;
+    loop {
+        if good(w) {
+            return w;
+        }
+        if since.elapsed() >= SETTLE || start.elapsed() >= SETTLE_MAX {
+            return w;
+        }
+        let now = read();
+        if now != w {
+            w = now;
+            since = Instant::now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{settle, SETTLE};
+    use std::time::{Duration, Instant};
+
+    /// The word CI read: the low half and two bytes of the high half of
+    /// `48f7a6eb_00000001` landed, the last two bytes not yet.
+    const WHOLE: u64 = 0x48f7_a6eb_0000_0001;
+    const TORN: u64 = 0x0000_a6eb_0000_0001;
+
+    fn digest_is(d: u32) -> impl Fn(u64) -> bool {
+        move |w| (w >> 32) as u32 == d
+    }
+
+    #[test]
+    fn a_word_landing_in_pieces_is_read_whole() {
+        // The word lands in two more pieces, 2 ms apart (one byte each).
+        let t = Instant::now();
+        let read = || {
+            let e = t.elapsed();
+            if e < Duration::from_millis(2) {
+                TORN
+            } else if e < Duration::from_millis(4) {
+                0x00f7_a6eb_0000_0001
+            } else {
+                WHOLE
+            }
+        };
+        let w = settle(read, TORN, digest_is(0x48f7_a6eb));
+        assert_eq!(w, WHOLE, "{w:016x}");
+        assert!(t.elapsed() < SETTLE, "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_word_that_stays_wrong_is_believed_after_the_settle_time() {
+        let t = Instant::now();
+        let w = settle(|| TORN, TORN, digest_is(0x48f7_a6eb));
+        assert_eq!(w, TORN);
+        let e = t.elapsed();
+        assert!(e >= SETTLE && e < Duration::from_millis(500), "{e:?}");
+    }
+
+    #[test]
+    fn a_word_that_never_stops_changing_is_bounded() {
+        let t = Instant::now();
+        let mut n = 0u64;
+        let w = settle(
+            || {
+                n += 1;
+                n
+            },
+            0,
+            |_| false,
+        );
+        assert!(w > 0);
+        let e = t.elapsed();
+        assert!(
+            e >= Duration::from_millis(900) && e < Duration::from_secs(5),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_good_word_returns_without_reading() {
+        let w = settle(|| panic!("read"), WHOLE, digest_is(0x48f7_a6eb));
+        assert_eq!(w, WHOLE);
     }
 }

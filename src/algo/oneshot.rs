@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::layout::{Layout, Placed, Region};
 use crate::protocol::{self, Look, Memory};
 use crate::proxy::Link;
-use crate::spin::Backoff;
+use crate::spin::{self, Backoff};
 use crate::stages::Mark;
 use crate::{Config, Staging};
 
@@ -285,7 +285,21 @@ pub(crate) fn wait_flags_from(
             match protocol::look(&mem, seq, expect(q), q, lane) {
                 Look::Missing(_) => continue,
                 Look::Mismatch(f) => {
-                    return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
+                    // A word still landing in pieces (soft-RoCE: the seq
+                    // half before the rest) is not a mismatch: judged once
+                    // it has settled (`spin::settle`).
+                    let word = || {
+                        mem.flag(protocol::parity(seq), q, lane)
+                            .load(Ordering::Acquire)
+                    };
+                    let good = |w| !matches!(protocol::judge(w, seq, expect(q)), Look::Mismatch(_));
+                    match protocol::judge(spin::settle(word, f, good), seq, expect(q)) {
+                        Look::Missing(_) => continue,
+                        Look::Mismatch(f) => {
+                            return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
+                        }
+                        Look::Arrived => {}
+                    }
                 }
                 Look::Arrived => {}
             }
@@ -517,6 +531,70 @@ mod tests {
             Err(e) => panic!("unexpected error {e}"),
         }
         assert!(r.proxy.link().error().is_some());
+    }
+
+    /// A flag word read while it still lands in pieces (soft-RoCE copies
+    /// an RDMA write's bytes in pieces: the seq half first, the count
+    /// still the old word's) is not a mismatch: the call waits for the
+    /// word to settle and returns the right sum.
+    #[test]
+    fn a_flag_landing_in_pieces_is_not_a_mismatch() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        let seq = 1;
+        let whole = flag_word(seq, f32::DTYPE.code(), COUNT);
+        // Region words start at 0: the seq half landed, the rest not yet.
+        let torn = whole & !0xffff_ffff;
+        r.peer_sends(seq);
+        let flags = |w: u64| {
+            for lane in 0..2 {
+                r.region
+                    .u64_at(r.layout.flag_offset(1, 1, lane))
+                    .store(w, Ordering::Release);
+            }
+        };
+        flags(torn);
+        let (res, out) = std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(3));
+                flags(whole);
+            });
+            r.call(seq)
+        });
+        res.unwrap();
+        assert_sum(seq, &out);
+        r.control.completed.store(seq, Ordering::Release);
+    }
+
+    /// A word that stays wrong is still a mismatch, once settled.
+    #[test]
+    fn a_settled_wrong_count_fails_naming_the_peer() {
+        let r = rig(Staging::Sm, Duration::from_secs(10));
+        r.peer_sends(1);
+        let other = flag_word(1, f32::DTYPE.code(), COUNT - 1);
+        for lane in 0..2 {
+            r.region
+                .u64_at(r.layout.flag_offset(1, 1, lane))
+                .store(other, Ordering::Release);
+        }
+        let t = std::time::Instant::now();
+        let (res, _) = r.call(1);
+        let e = t.elapsed();
+        assert!(
+            e >= crate::spin::SETTLE && e < Duration::from_secs(5),
+            "{e:?}"
+        );
+        match res {
+            Err(Error::CallMismatch {
+                peer: 1,
+                seq: 1,
+                theirs,
+                ..
+            }) => {
+                assert_eq!(theirs.count, COUNT - 1, "{theirs:?}");
+            }
+            other => panic!("expected a mismatch naming peer 1, got {other:?}"),
+        }
+        r.control.completed.store(1, Ordering::Release);
     }
 
     /// A peer whose fabric failed in call 2 poisons calls 2 and 3 (the

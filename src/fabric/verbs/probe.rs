@@ -254,29 +254,6 @@ impl VerbsFabric {
         Ok(())
     }
 
-    /// Whether the probe word at `off`, read as `w` with a digest other
-    /// than `digest`, still differs after it has kept one value for 10 ms
-    /// (a partly landed write completes within microseconds); false as
-    /// soon as the digest matches.
-    fn settled_mismatch(&self, off: usize, mut w: u64, digest: u32) -> bool {
-        let mut since = Instant::now();
-        let start = since;
-        while since.elapsed() < std::time::Duration::from_millis(10)
-            && start.elapsed() < std::time::Duration::from_secs(1)
-        {
-            let now = self.region.u64_at(off).load(Ordering::Acquire);
-            if (now >> 32) as u32 == digest {
-                return false;
-            }
-            if now != w {
-                w = now;
-                since = Instant::now();
-            }
-            std::hint::spin_loop();
-        }
-        true
-    }
-
     /// Waits (bounded by the timeout) for the peer's next probe word,
     /// reaping completions and re-posting this rank's last word when its
     /// QP seems stalled (as the data path's kick does).
@@ -302,10 +279,13 @@ impl VerbsFabric {
                 // half still zero was read once in CI): a digest that
                 // differs is judged only once the word has stopped
                 // changing for a while.
-                if (w >> 32) as u32 != at.digest && !self.settled_mismatch(off, w, at.digest) {
-                    return Ok(());
-                }
-                if (w >> 32) as u32 != at.digest {
+                let ours = |w: u64| (w >> 32) as u32 == at.digest;
+                let w = crate::spin::settle(
+                    || self.region.u64_at(off).load(Ordering::Acquire),
+                    w,
+                    ours,
+                );
+                if !ours(w) {
                     return Err(Error::PeerFailed {
                         peer: at.peer,
                         reason: format!(

@@ -99,6 +99,12 @@ impl VerbsFabric {
                         .region
                         .u64_at(off)
                         .load(std::sync::atomic::Ordering::Acquire);
+                    // The seq is the word's upper half: an RDMA write that
+                    // lands in pieces lands in address order (soft-RoCE's
+                    // copy) or whole (a NIC's aligned 8 bytes), so a word
+                    // showing the next seq is whole; were it not, the
+                    // forward would carry a word the receiver refuses
+                    // (an error naming this peer, never a wrong sum).
                     if u64::from(flag_seq(word)) != next & 0xffff_ffff || word == 0 {
                         break;
                     }
