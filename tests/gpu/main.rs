@@ -313,6 +313,10 @@ fn child() -> ExitCode {
             parallel_branches,
         ),
         (
+            "captured calls: event records off the kernels' path, one chain",
+            records_off_the_path,
+        ),
+        (
             "a GPU call right after a host call, posts late",
             after_host_call,
         ),

@@ -179,6 +179,130 @@ pub(super) fn parallel_branches(ctx: &Ctx, st: Staging) -> R {
     Ok(())
 }
 
+/// Three calls captured on one stream: the event record node that orders
+/// each call against later launches is off the path of what follows the
+/// call (no kernel depends on a record: docs/GPU.md, 0.6 µs per captured
+/// call), and the records form one chain, one per call, each after its
+/// call's kernel, so a replay's last record follows all three. Then the
+/// graph replays right.
+pub(super) fn records_off_the_path(ctx: &Ctx, st: Staging) -> R {
+    use arx::cudarc::driver::sys::{self, CUgraphNodeType as T};
+    let (mut arx, a) = build(ctx, st, Duration::from_secs(10))?;
+    let n = 4096;
+    let mut din = [
+        poisoned::<f32>(&a, n)?,
+        poisoned::<f32>(&a, n)?,
+        poisoned::<f32>(&a, n)?,
+    ];
+    let mut dout = [
+        poisoned::<f32>(&a, n)?,
+        poisoned::<f32>(&a, n)?,
+        poisoned::<f32>(&a, n)?,
+    ];
+    let g = capture(&a, "three calls under capture", || -> R {
+        for (x, y) in din.iter().zip(dout.iter_mut()) {
+            arx.allreduce(x, y, &a).map_err(e("allreduce"))?;
+        }
+        Ok(())
+    })?;
+    let cu = |what: &str, r: sys::CUresult| -> R { r.result().map_err(|x| format!("{what}: {x}")) };
+    let graph = g.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: the graph lives as long as `g`; the out-pointers are valid.
+    cu("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count)
+    })?;
+    let mut nodes = vec![std::ptr::null_mut(); count];
+    // SAFETY: as above, `nodes` holds `count` entries.
+    cu("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count)
+    })?;
+    let kind = |node: sys::CUgraphNode| -> R<T> {
+        let mut t = T::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of `graph`; valid out-pointer.
+        cu("cuGraphNodeGetType", unsafe {
+            sys::cuGraphNodeGetType(node, &mut t)
+        })?;
+        Ok(t)
+    };
+    let deps = |node: sys::CUgraphNode| -> R<Vec<sys::CUgraphNode>> {
+        let mut k = 0usize;
+        // SAFETY: as above; a first call for the count.
+        cu("cuGraphNodeGetDependencies", unsafe {
+            sys::cuGraphNodeGetDependencies_v2(
+                node,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut k,
+            )
+        })?;
+        let mut d = vec![std::ptr::null_mut(); k];
+        // SAFETY: `d` holds `k` entries.
+        cu("cuGraphNodeGetDependencies", unsafe {
+            sys::cuGraphNodeGetDependencies_v2(node, d.as_mut_ptr(), std::ptr::null_mut(), &mut k)
+        })?;
+        Ok(d)
+    };
+    let mut records = Vec::new();
+    let mut kernels = 0;
+    for &node in &nodes {
+        match kind(node)? {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => {
+                kernels += 1;
+                for d in deps(node)? {
+                    if kind(d)? == T::CU_GRAPH_NODE_TYPE_EVENT_RECORD {
+                        return Err("a kernel depends on an event record node".into());
+                    }
+                }
+            }
+            T::CU_GRAPH_NODE_TYPE_EVENT_RECORD => records.push(node),
+            _ => {}
+        }
+    }
+    if kernels != 3 || records.len() != 3 {
+        return Err(format!(
+            "{kernels} kernels and {} event records, want 3 and 3",
+            records.len()
+        ));
+    }
+    // Each record follows one kernel; all but the first follow a record.
+    let mut firsts = 0;
+    for &r in &records {
+        let d = deps(r)?;
+        let ks = d
+            .iter()
+            .filter(|&&x| kind(x) == Ok(T::CU_GRAPH_NODE_TYPE_KERNEL))
+            .count();
+        let rs = d
+            .iter()
+            .filter(|&&x| kind(x) == Ok(T::CU_GRAPH_NODE_TYPE_EVENT_RECORD))
+            .count();
+        match (ks, rs) {
+            (1, 0) => firsts += 1,
+            (1, 1) => {}
+            _ => return Err(format!("a record depends on {ks} kernels and {rs} records")),
+        }
+    }
+    if firsts != 1 {
+        return Err(format!("the records form {firsts} chains, want one"));
+    }
+    for i in 0..3u64 {
+        let mut wants = Vec::new();
+        for (j, x) in din.iter_mut().enumerate() {
+            let (xi, w) = call_data::<f32>(ctx, 500 + 3 * i + j as u64, n);
+            a.memcpy_htod(&xi, x).map_err(e("htod"))?;
+            wants.push(w);
+        }
+        a.synchronize().map_err(e("sync"))?;
+        g.launch().map_err(e("graph launch"))?;
+        for (j, (y, w)) in dout.iter().zip(&wants).enumerate() {
+            compare(&format!("replay {i}, call {j}"), &down(&a, y)?, w)?;
+        }
+        arx.check().map_err(e("check"))?;
+    }
+    Ok(())
+}
+
 /// Sets the test-only post delay for instances built inside `f`.
 pub(super) fn with_post_delay<T>(us: u64, f: impl FnOnce() -> T) -> T {
     std::env::set_var("ARX_TEST_POST_DELAY_US", us.to_string());
