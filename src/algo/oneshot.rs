@@ -285,9 +285,10 @@ pub(crate) fn wait_flags_from(
             match protocol::look(&mem, seq, expect(q), q, lane) {
                 Look::Missing(_) => continue,
                 Look::Mismatch(f) => {
-                    // A word still landing in pieces (soft-RoCE: the seq
-                    // half before the rest) is not a mismatch: judged once
-                    // it has settled (`spin::settle`).
+                    // A word still landing in pieces (an RDMA write need
+                    // not land as one store; were its seq half to land
+                    // before the rest) is not a mismatch: judged once it
+                    // has settled (`spin::settle`).
                     let word = || {
                         mem.flag(protocol::parity(seq), q, lane)
                             .load(Ordering::Acquire)
@@ -533,10 +534,11 @@ mod tests {
         assert!(r.proxy.link().error().is_some());
     }
 
-    /// A flag word read while it still lands in pieces (soft-RoCE copies
-    /// an RDMA write's bytes in pieces: the seq half first, the count
-    /// still the old word's) is not a mismatch: the call waits for the
-    /// word to settle and returns the right sum.
+    /// A flag word read while it still lands in pieces (an RDMA write
+    /// need not land as one store: soft-RoCE under emulation copies it
+    /// piecewise), here the seq half first and the count still the old
+    /// word's, is not a mismatch: the call waits for the word to settle
+    /// and returns the right sum.
     #[test]
     fn a_flag_landing_in_pieces_is_not_a_mismatch() {
         let r = rig(Staging::Sm, Duration::from_secs(10));
