@@ -214,9 +214,10 @@
 //!
 //! Calls of one instance are ordered as the host makes them, whatever
 //! streams they are enqueued on: each launch waits for an event recorded
-//! after the previous one (an event wait and record node under capture,
-//! resolved at each replay; an edge between two calls captured into the
-//! same graph), so two calls never run at once — not on two streams with
+//! after the previous one (under capture: an event wait node before a
+//! capture's first call, resolved at each replay, an edge between two calls
+//! captured into the same graph, and a record node beside each call, off
+//! the path of what follows it), so two calls never run at once — not on two streams with
 //! no dependency, not on parallel branches of one graph, not a replay next
 //! to an eager call (`src/device/order.rs`). As for MPI collectives, every
 //! rank must make (and replay) its calls in the same order.

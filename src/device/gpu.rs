@@ -521,7 +521,9 @@ impl GpuSide {
     /// The chunks of one call are ordered by the stream alone: the
     /// instance's order events ([`Order`]) are waited for once before the
     /// first chunk and recorded once after the last, so a call of any length
-    /// costs one wait and one record (two event nodes in a graph). Each
+    /// costs one wait and one record (in a graph: a record node beside the
+    /// last chunk's kernel, and a wait node before a capture's first
+    /// call). Each
     /// chunk's kernel takes the next seq from device memory, so a graph
     /// replay of a chunked call advances it by the number of chunks.
     ///

@@ -273,7 +273,8 @@ impl Order {
             Capture::Active(id) => {
                 if let Some(ev) = self.captures.iter().find(|c| c.id == id).map(|c| c.event) {
                     // SAFETY: as above; an internal wait inside the capture
-                    // adds an edge from the event's last record node.
+                    // adds an edge from the capture's previous arx launch
+                    // (the frontier the event was recorded at).
                     cu("cuStreamWaitEvent", unsafe {
                         sys::cuStreamWaitEvent(stream, ev, 0)
                     })?;
