@@ -217,10 +217,11 @@
 //! after the previous one (under capture: an event wait node before a
 //! capture's first call, resolved at each replay, an edge between two calls
 //! captured into the same graph, and a record node beside each call, off
-//! the path of what follows it), so two calls never run at once — not on two streams with
-//! no dependency, not on parallel branches of one graph, not a replay next
-//! to an eager call (`src/device/order.rs`). As for MPI collectives, every
-//! rank must make (and replay) its calls in the same order.
+//! the path of what follows it), so two calls never run at once — not on
+//! two streams with no dependency, not on parallel branches of one graph,
+//! not a replay next to an eager call (`src/device/order.rs`). As for MPI
+//! collectives, every rank must make (and replay) its calls in the same
+//! order.
 //!
 //! A graph may be replayed after its instance was dropped: the instance
 //! then keeps the memory such a replay touches (its mapped region, device
