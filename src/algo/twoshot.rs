@@ -68,22 +68,44 @@ pub(crate) fn host<T: Element>(
     // Step 1: reduce-scatter.
     let p = protocol::parity(seq);
     let flag = word(seq, abi::ARX_PATTERN_SCATTER);
-    let src: &[u8] = match input {
-        Some(i) => bytemuck::cast_slice(i),
-        None => bytemuck::cast_slice(output),
-    };
-    // SAFETY: send[p] is ours again (its last use, call seq-2, reached every
-    // peer before this rank could end seq-1, as for one-shot); `src` fits
-    // the slot (the chunking bounds it).
-    unsafe { protocol::stage_and_publish(&mem, seq, flag, src) };
+    let at = mine.start * esize;
+    let own = at..mine.end * esize;
+    // Out of place, this rank's own shard is summed straight from `input`:
+    // only the peers' shards are staged (the proxy sends each peer its
+    // shard and nothing else, `protocol::dest_range`), which saves copying
+    // 1/N of the call. In place, the sum overwrites `output`, so the whole
+    // partial is staged first.
+    let own_input: Option<&[u8]> = input.map(|i| &bytemuck::cast_slice(i)[own.clone()]);
+    match input {
+        Some(i) => {
+            let src: &[u8] = bytemuck::cast_slice(i);
+            // SAFETY: send[p] is ours again (its last use, call seq-2,
+            // reached every peer before this rank could end seq-1, as for
+            // one-shot); both pieces lie within the first `src.len()` bytes
+            // of the slot (one chunk, no high half: data_base 0), which
+            // the chunking bounds.
+            unsafe {
+                mem.write_send(p, 0, &src[..own.start]);
+                mem.write_send(p, own.end, &src[own.end..]);
+            }
+            protocol::publish(&mem, seq, flag, src.len());
+        }
+        None => {
+            let src: &[u8] = bytemuck::cast_slice(output);
+            // SAFETY: send[p] is ours again (its last use, call seq-2,
+            // reached every peer before this rank could end seq-1, as for
+            // one-shot); `src` fits the slot (the chunking bounds it).
+            unsafe { protocol::stage_and_publish(&mem, seq, flag, src) };
+        }
+    }
     link.pump(true);
     wait_flags(env, seq, flag)?;
-    let at = mine.start * esize;
-    let part = |r: usize, off: usize, dst: &mut [u8]| {
+    let part = |r: usize, off: usize, dst: &mut [u8]| match own_input {
+        Some(mine) if r == me => dst.copy_from_slice(&mine[off..off + dst.len()]),
         // SAFETY: every peer's flags for call seq were acquired; they sent
         // this rank's shard at its own offset, which nobody writes before
         // call seq + 2.
-        unsafe { mem.read_partial(p, r, at + off, dst) }
+        _ => unsafe { mem.read_partial(p, r, at + off, dst) },
     };
     reduce_in_rank_order(op, world, part, &mut output[mine.clone()]);
 
