@@ -168,23 +168,35 @@ pub(crate) fn pipelined<T: Element>(
                 | (c.bits() & abi::ARX_FLAG_HIGH) as usize,
         )
     };
+    // Out of place, each chunk's own shard is summed straight from the
+    // input and only the peers' shards are staged (as `host`).
+    let input = io.input;
     let scatter = |io: &chunked::Io<'_, T>, k: usize| {
         let s = first + 2 * k as u64;
-        // SAFETY: chunk k's reduce-scatter place (parity of `s`, half k & 1)
-        // was last used by chunk k - 2 (or an earlier call, which every
-        // peer ended before it published this call's first step); this
-        // rank has every peer's gather flag of chunk k - 1, which a peer
-        // publishes only after it reduced chunk k - 1 (and so k - 2), and
-        // which it could send only after this rank's chunk k - 2 data had
-        // reached it. The partial fits half a slot.
-        unsafe {
-            protocol::stage_and_publish(
-                &mem,
-                s,
-                word(s, k, abi::ARX_PATTERN_SCATTER),
-                io.partial(cs[k].range.clone()),
-            )
-        };
+        let f = word(s, k, abi::ARX_PATTERN_SCATTER);
+        let src = io.partial(cs[k].range.clone());
+        // Chunk k's reduce-scatter place (parity of `s`, half k & 1) is
+        // free: it was last used by chunk k - 2 (or an earlier call, which
+        // every peer ended before it published this call's first step);
+        // this rank has every peer's gather flag of chunk k - 1, which a
+        // peer publishes only after it reduced chunk k - 1 (and so k - 2),
+        // and which it could send only after this rank's chunk k - 2 data
+        // had reached it. The partial fits half a slot.
+        if input.is_some() {
+            let base = protocol::data_base(f, layout.slot_bytes());
+            let own = protocol::shard(cs[k].range.len(), world, esize, me);
+            let own = own.start * esize..own.end * esize;
+            // SAFETY: the place is free (above); both pieces lie within
+            // the partial's bytes from `base`.
+            unsafe {
+                mem.write_send(protocol::parity(s), base, &src[..own.start]);
+                mem.write_send(protocol::parity(s), base + own.end, &src[own.end..]);
+            }
+            protocol::publish(&mem, s, f, src.len());
+        } else {
+            // SAFETY: the place is free (above).
+            unsafe { protocol::stage_and_publish(&mem, s, f, src) };
+        }
     };
     scatter(io, 0);
     link.pump(true);
@@ -205,13 +217,16 @@ pub(crate) fn pipelined<T: Element>(
         if let Some(d) = env.cfg.sum_delay {
             std::thread::sleep(d);
         }
+        let own_input: Option<&[u8]> =
+            input.map(|i| &bytemuck::cast_slice(&i[range.clone()])[at..mine.end * esize]);
         let out = &mut io.output[range];
-        let part = |r: usize, off: usize, dst: &mut [u8]| {
+        let part = |r: usize, off: usize, dst: &mut [u8]| match own_input {
+            Some(own) if r == me => dst.copy_from_slice(&own[off..off + dst.len()]),
             // SAFETY: every peer's flags of call s1 were acquired; this
             // rank's shard is not written again before chunk k + 2's
             // reduce-scatter, which needs this rank's gather flag of
             // chunk k + 1.
-            unsafe { mem.read_partial(protocol::parity(s1), r, base + at + off, dst) }
+            _ => unsafe { mem.read_partial(protocol::parity(s1), r, base + at + off, dst) },
         };
         reduce_in_rank_order(op, world, part, &mut out[mine.clone()]);
         // SAFETY: the gather place (parity of s2, half k & 1) was last used
