@@ -294,7 +294,7 @@ pub(crate) fn wait_flags_from(
                             .load(Ordering::Acquire)
                     };
                     let good = |w| !matches!(protocol::judge(w, seq, expect(q)), Look::Mismatch(_));
-                    match protocol::judge(spin::settle(word, f, good), seq, expect(q)) {
+                    match protocol::judge(spin::settle(word, f, good, cfg.settle), seq, expect(q)) {
                         Look::Missing(_) => continue,
                         Look::Mismatch(f) => {
                             return Err(env.fail(abi::ARX_STATUS_MISMATCH, q, lane as u32, seq, f));
@@ -396,11 +396,14 @@ mod tests {
     }
 
     fn rig(staging: Staging, timeout: Duration) -> Rig {
-        let o = Overrides {
+        rig_with(Overrides {
             staging: Some(staging),
             timeout: Some(timeout),
             ..Default::default()
-        };
+        })
+    }
+
+    fn rig_with(o: Overrides) -> Rig {
         let (region, layout, cfg, control, proxy) = proxy_rig(64 << 10, &o);
         Rig {
             region,
@@ -541,7 +544,14 @@ mod tests {
     /// and returns the right sum.
     #[test]
     fn a_flag_landing_in_pieces_is_not_a_mismatch() {
-        let r = rig(Staging::Sm, Duration::from_secs(10));
+        // A settle window far longer than the writer's 3 ms, however late
+        // a loaded machine runs the writer thread.
+        let r = rig_with(Overrides {
+            staging: Some(Staging::Sm),
+            timeout: Some(Duration::from_secs(30)),
+            settle: Some(Duration::from_secs(20)),
+            ..Default::default()
+        });
         let seq = 1;
         let whole = flag_word(seq, f32::DTYPE.code(), COUNT);
         // Region words start at 0: the seq half landed, the rest not yet.

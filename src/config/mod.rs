@@ -272,6 +272,11 @@ pub struct Config {
     /// every one-shot sum on the GPU side (each block, after its wait), so
     /// that tests can make this rank the slow one. Not exchanged with peers.
     pub sum_delay: Option<Duration>,
+    /// How long a host call's flag word that would fail the call must keep
+    /// one value before it is believed ([`crate::spin::settle`]; 10 ms).
+    /// Only unit tests change it (no builder method, no environment
+    /// variable).
+    pub settle: Duration,
 }
 
 /// Options the builder sets explicitly (each overrides its environment variable).
@@ -294,6 +299,8 @@ pub(crate) struct Overrides {
     pub refused: Option<Error>,
     /// `Builder::test_sum_delay`.
     pub sum_delay: Option<Duration>,
+    /// `Config::settle` (unit tests only).
+    pub settle: Option<Duration>,
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -627,6 +634,7 @@ impl Config {
             gpu_blocks,
             gpu_unroll,
             sum_delay: o.sum_delay,
+            settle: o.settle.unwrap_or(crate::spin::SETTLE),
         })
     }
 

@@ -284,6 +284,7 @@ impl VerbsFabric {
                     || self.region.u64_at(off).load(Ordering::Acquire),
                     w,
                     ours,
+                    crate::spin::SETTLE,
                 );
                 if !ours(w) {
                     return Err(Error::PeerFailed {
