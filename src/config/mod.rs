@@ -273,7 +273,7 @@ pub struct Config {
     /// that tests can make this rank the slow one. Not exchanged with peers.
     pub sum_delay: Option<Duration>,
     /// How long a host call's flag word that would fail the call must keep
-    /// one value before it is believed ([`crate::spin::settle`]; 10 ms).
+    /// one value before it is believed (`spin::settle`; 10 ms).
     /// Only unit tests change it (no builder method, no environment
     /// variable).
     pub settle: Duration,
