@@ -426,11 +426,15 @@ mod tests {
                 self.region
                     .write(self.layout.recv_offset(p, 1), bytemuck::cast_slice(&part));
             }
-            let flag = flag_word(seq, f32::DTYPE.code(), COUNT);
+            self.peer_flags(seq, flag_word(seq, f32::DTYPE.code(), COUNT));
+        }
+
+        /// Rank 1's flag word `w`, on both lanes, in call `seq`'s place.
+        fn peer_flags(&self, seq: u64, w: u64) {
             for lane in 0..2 {
                 self.region
-                    .u64_at(self.layout.flag_offset(p, 1, lane))
-                    .store(flag, Ordering::Release);
+                    .u64_at(self.layout.flag_offset((seq & 1) as usize, 1, lane))
+                    .store(w, Ordering::Release);
             }
         }
 
@@ -557,18 +561,11 @@ mod tests {
         // Region words start at 0: the seq half landed, the rest not yet.
         let torn = whole & !0xffff_ffff;
         r.peer_sends(seq);
-        let flags = |w: u64| {
-            for lane in 0..2 {
-                r.region
-                    .u64_at(r.layout.flag_offset(1, 1, lane))
-                    .store(w, Ordering::Release);
-            }
-        };
-        flags(torn);
+        r.peer_flags(seq, torn);
         let (res, out) = std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(3));
-                flags(whole);
+                r.peer_flags(seq, whole);
             });
             r.call(seq)
         });
@@ -582,12 +579,7 @@ mod tests {
     fn a_settled_wrong_count_fails_naming_the_peer() {
         let r = rig(Staging::Sm, Duration::from_secs(10));
         r.peer_sends(1);
-        let other = flag_word(1, f32::DTYPE.code(), COUNT - 1);
-        for lane in 0..2 {
-            r.region
-                .u64_at(r.layout.flag_offset(1, 1, lane))
-                .store(other, Ordering::Release);
-        }
+        r.peer_flags(1, flag_word(1, f32::DTYPE.code(), COUNT - 1));
         let t = std::time::Instant::now();
         let (res, _) = r.call(1);
         let e = t.elapsed();
@@ -618,11 +610,7 @@ mod tests {
     fn a_poisoned_flag_two_calls_ahead_fails_the_call_at_once() {
         let r = rig(Staging::Sm, Duration::from_secs(10));
         let poison = flag_word(3, crate::abi::ARX_DTYPE_INVALID, crate::dtype::POISON_COUNT);
-        for lane in 0..2 {
-            r.region
-                .u64_at(r.layout.flag_offset(1, 1, lane))
-                .store(poison, Ordering::Release);
-        }
+        r.peer_flags(1, poison);
         let t = std::time::Instant::now();
         let (res, _) = r.call(1);
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
