@@ -81,14 +81,8 @@ pub(crate) fn host<T: Element>(
             let src: &[u8] = bytemuck::cast_slice(i);
             // SAFETY: send[p] is ours again (its last use, call seq-2,
             // reached every peer before this rank could end seq-1, as for
-            // one-shot); both pieces lie within the first `src.len()` bytes
-            // of the slot (one chunk, no high half: data_base 0), which
-            // the chunking bounds.
-            unsafe {
-                mem.write_send(p, 0, &src[..own.start]);
-                mem.write_send(p, own.end, &src[own.end..]);
-            }
-            protocol::publish(&mem, seq, flag, src.len());
+            // one-shot); `src` fits the slot (the chunking bounds it).
+            unsafe { stage_peers_shards(&mem, seq, flag, src, own.clone()) };
         }
         None => {
             let src: &[u8] = bytemuck::cast_slice(output);
@@ -132,6 +126,32 @@ pub(crate) fn host<T: Element>(
     }
     region.ctrl().done().store(seq2, Ordering::Release);
     Ok(())
+}
+
+/// Out of place: [`protocol::stage_and_publish`] less this rank's own
+/// shard (`own`, bytes of `src`), which no peer is sent
+/// ([`protocol::dest_range`]) and the sum reads from the input instead.
+///
+/// # Safety
+/// As `stage_and_publish`'s: call `seq`'s place is this rank's to write.
+unsafe fn stage_peers_shards<M: Memory + ?Sized>(
+    m: &M,
+    seq: u64,
+    flag: u64,
+    src: &[u8],
+    own: std::ops::Range<usize>,
+) {
+    let (p, base) = (
+        protocol::parity(seq),
+        protocol::data_base(flag, m.slot_bytes()),
+    );
+    // SAFETY: the caller's contract; both pieces lie within `src.len()`
+    // bytes from the call's place.
+    unsafe {
+        m.write_send(p, base, &src[..own.start]);
+        m.write_send(p, base + own.end, &src[own.end..]);
+    }
+    protocol::publish(m, seq, flag, src.len());
 }
 
 /// A two-shot all-reduce longer than one slot: the chunks `cs`
@@ -183,16 +203,9 @@ pub(crate) fn pipelined<T: Element>(
         // and which it could send only after this rank's chunk k - 2 data
         // had reached it. The partial fits half a slot.
         if input.is_some() {
-            let base = protocol::data_base(f, layout.slot_bytes());
             let own = protocol::shard(cs[k].range.len(), world, esize, me);
-            let own = own.start * esize..own.end * esize;
-            // SAFETY: the place is free (above); both pieces lie within
-            // the partial's bytes from `base`.
-            unsafe {
-                mem.write_send(protocol::parity(s), base, &src[..own.start]);
-                mem.write_send(protocol::parity(s), base + own.end, &src[own.end..]);
-            }
-            protocol::publish(&mem, s, f, src.len());
+            // SAFETY: the place is free (above).
+            unsafe { stage_peers_shards(&mem, s, f, src, own.start * esize..own.end * esize) };
         } else {
             // SAFETY: the place is free (above).
             unsafe { protocol::stage_and_publish(&mem, s, f, src) };
