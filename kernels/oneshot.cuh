@@ -386,7 +386,7 @@ __device__ __forceinline__ void reduce_units(u32 op, u32 world, u32 me, const ty
  * one (a one-block call stages all its units this way). */
 template <class S>
 __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32 c, u32 per_chunk,
-                                            u32 unroll, bool vec) {
+                                            u32 unroll, bool vec, u32 skip0 = 0, u32 skip1 = 0) {
     const u32 VE = 16 / sizeof(S);
     const u32 unit = vec ? VE : 1u;
     const u32 nunits = (count + unit - 1) / unit;
@@ -398,6 +398,9 @@ __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32
 #pragma unroll
         for (u32 j = 0; j < B; j++) {
             u32 u = c * per_chunk + (k0 + j) * blockDim.x + threadIdx.x;
+            /* Units [skip0, skip1) are not staged (own_units); the tickets
+             * count the others, so the index steps over them. */
+            if (u >= skip0) u += skip1 - skip0;
             bool mine = k0 + j < unroll && u < nunits;
             e[j] = mine ? u * unit : count;
             full[j] = mine && vec && e[j] + VE <= count;
@@ -413,6 +416,25 @@ __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32
             }
         }
     }
+}
+
+/* The staging units (16-byte vectors when `vec`, else elements) of a
+ * count-element call that lie wholly inside this rank's shard [r0, r1):
+ * [*k0, *k1), empty when none does. A two-shot or reduce_scatter does not
+ * stage them: its reduce reads its own shard from the input, and the
+ * proxy sends each peer only that peer's shard (the host side's
+ * twoshot::stage_peers_shards). A unit that straddles a shard boundary
+ * is staged. */
+__device__ __forceinline__ void own_units(u32 r0, u32 r1, u32 count, u32 unit, u32 *k0,
+                                          u32 *k1) {
+    u32 a = (r0 + unit - 1) / unit;
+    u32 b = r1 >= count ? (count + unit - 1) / unit : r1 / unit;
+    if (r0 >= r1 || b <= a) {
+        a = 0;
+        b = 0;
+    }
+    *k0 = a;
+    *k1 = b;
 }
 
 /* Takes staging tickets of `next` until all `n` are handed out, copying
@@ -432,7 +454,7 @@ __device__ __forceinline__ void stage_chunk(const S *in, S *send, u32 count, u32
 template <class S>
 __device__ bool stage_all(u32 *next, u32 *done, u32 n, const S *in, S *send, u32 count,
                           u32 per_chunk, u32 unroll, bool vec, bool copy, u32 *s_ticket,
-                          u32 first = 0xFFFFFFFFu) {
+                          u32 first = 0xFFFFFFFFu, u32 skip0 = 0, u32 skip1 = 0) {
     u32 mine = 0;
     for (;;) {
         /* `first`: a ticket of `next` the caller already took (uniform). */
@@ -440,7 +462,7 @@ __device__ bool stage_all(u32 *next, u32 *done, u32 n, const S *in, S *send, u32
         first = 0xFFFFFFFFu;
         if (c >= n) break;
         mine++;
-        if (copy) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec);
+        if (copy) stage_chunk<S>(in, send, count, c, per_chunk, unroll, vec, skip0, skip1);
     }
     if (mine == 0) return false;
     __syncthreads();

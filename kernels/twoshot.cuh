@@ -3,10 +3,11 @@
  * chunk; the GPU twin of src/algo/twoshot.rs and src/algo/collective.rs):
  *
  *   stage     copy the partial into send[p] (SM staging; copy-engine
- *             staging finds it there): the whole partial, shard q of it
- *             taken from the caller's block q (two-shot: the contiguous
- *             input; reduce_scatter: block q of the N·n input), or only this
- *             rank's shard (all_gather); a system fence; the block that
+ *             staging finds it there): every peer's shard q of it, taken
+ *             from the caller's block q (two-shot: the contiguous input;
+ *             reduce_scatter: block q of the N·n input), not this rank's
+ *             own (the reduce reads it from the input; own_units), or only
+ *             this rank's shard (all_gather); a system fence; the block that
  *             finishes the last staging chunk publishes call seq (pattern
  *             SCATTER, or GATHER for all_gather), then counts `staged` once
  *             more, so that nothing waiting for `staged` (hence no gather
@@ -155,7 +156,10 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
      * staging when prestaged. */
     const u32 s0 = reduce ? 0u : r0;
     const u32 s1 = reduce ? count : r1;
-    const u32 nsu = (s1 - s0 + unit - 1) / unit;
+    /* A reduce stages every unit but its own shard's [ou0, ou1) (own_units). */
+    u32 ou0 = 0, ou1 = 0;
+    if (reduce) own_units(r0, r1, count, unit, &ou0, &ou1);
+    const u32 nsu = (s1 - s0 + unit - 1) / unit - (ou1 - ou0);
     const u32 nsc = (nsu + per_chunk - 1) / per_chunk;
     const u32 nstage = pre ? 0u : p.sm_staging ? (nsc > 0 ? nsc : 1u) : 1u;
     const u32 nru = (r1 - r0 + unit - 1) / unit;
@@ -178,7 +182,14 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
                      ((p.next_more & ARX_FLAG_HIGH) ? slot / 2 : 0));
     const bool nvec = (p.next_input & 15ull) == 0;
     const u32 nunit = nvec ? VE : 1u;
-    const u32 nstage_next = ((ncount + nunit - 1) / nunit + per_chunk - 1) / per_chunk;
+    /* The next chunk's own shard is not staged either (own_units). */
+    const u32 nL = shard_len(ncount, world, sizeof(S));
+    const u32 nr0 = (u32)((u64)me * nL < ncount ? (u64)me * nL : ncount);
+    const u32 nr1 = (u32)((u64)(me + 1) * nL < ncount ? (u64)(me + 1) * nL : ncount);
+    u32 nk0 = 0, nk1 = 0;
+    own_units(nr0, nr1, ncount, nunit, &nk0, &nk1);
+    const u32 nstage_next =
+        ((ncount + nunit - 1) / nunit - (nk1 - nk0) + per_chunk - 1) / per_chunk;
     const u64 nflag = make_flag(seq + 2, op, p.dtype, ncount,
                                 (p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH)) |
                                     (ARX_PATTERN_SCATTER << ARX_FLAG_PATTERN_SHIFT));
@@ -197,6 +208,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
                 for (u32 k = 0; k < unroll; k++) {
                     u32 u = c * per_chunk + k * bd + tid;
                     if (u >= nsu) break;
+                    if (u >= ou0) u += ou1 - ou0;
                     u32 e0 = s0 + u * unit;
                     u32 q = e0 / L;
                     u32 j = e0 - q * L;
@@ -298,7 +310,8 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
                      * below overlaps its sends. */
                     if (tid == 0) gate_arrive(ctrl, st, ARX_GATE_FLAGS, seq + 2, nflag, nbytes);
                     if (stage_all<S>(&st->next_stage_next, &st->next_staged, nstage_next, nin,
-                                     nsend, ncount, per_chunk, unroll, nvec, true, &s_ticket) &&
+                                     nsend, ncount, per_chunk, unroll, nvec, true, &s_ticket,
+                                     0xFFFFFFFFu, nk0, nk1) &&
                         tid == 0)
                         gate_arrive(ctrl, st, ARX_GATE_STAGED, seq + 2, nflag, nbytes);
                 }

@@ -2,9 +2,10 @@
 //! then an all-gather step, each an ordinary call of the protocol with its
 //! own seq (`kernels/arx_abi.h`; its GPU twin is `kernels/twoshot.cuh`).
 //!
-//! 1. Call `seq`, pattern SCATTER: the whole partial is staged as for
-//!    one-shot, but the proxy sends peer `q` only shard `q`
-//!    ([`protocol::dest_range`]). Every rank reduces its own shard over all
+//! 1. Call `seq`, pattern SCATTER: the partial is staged as for one-shot
+//!    (out of place, and in the GPU kernel, every shard but this rank's
+//!    own, which the reduce reads from the input), and the proxy sends
+//!    peer `q` only shard `q` ([`protocol::dest_range`]). Every rank reduces its own shard over all
 //!    ranks, in rank order, with the one rule of every algorithm
 //!    ([`reduce_in_rank_order`]): the bits equal one-shot's.
 //! 2. Call `seq + 1`, pattern GATHER: the reduced shard is written at its
