@@ -188,8 +188,12 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     const u32 nr1 = (u32)((u64)(me + 1) * nL < ncount ? (u64)(me + 1) * nL : ncount);
     u32 nk0 = 0, nk1 = 0;
     own_units(nr0, nr1, ncount, nunit, &nk0, &nk1);
-    const u32 nstage_next =
-        ((ncount + nunit - 1) / nunit - (nk1 - nk0) + per_chunk - 1) / per_chunk;
+    /* At least one ticket when `ahead`, as for this launch's own staging:
+     * the block that counts it arrives at the gate, and the next chunk may
+     * be this rank's own shard alone (a short last chunk: 3 elements of
+     * bf16 at 2 ranks are all rank 0's), with nothing to stage. */
+    const u32 nnu = (ncount + nunit - 1) / nunit - (nk1 - nk0);
+    const u32 nstage_next = nnu > 0 ? (nnu + per_chunk - 1) / per_chunk : 1u;
     const u64 nflag = make_flag(seq + 2, op, p.dtype, ncount,
                                 (p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH)) |
                                     (ARX_PATTERN_SCATTER << ARX_FLAG_PATTERN_SHIFT));
