@@ -54,7 +54,7 @@ typedef unsigned int uint32_t;
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 8u
+#define ARX_ABI_VERSION 9u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -130,10 +130,10 @@ typedef unsigned int uint32_t;
 /* Every peer gets the whole partial (one-shot all-reduce). */
 #define ARX_PATTERN_WHOLE 0u
 /* Peer q gets shard q of the partial (the reduce-scatter step: of a
- * two-shot all-reduce, or a reduce_scatter). */
+ * two-shot all-reduce, with ARX_FLAG_ALLREDUCE, or a reduce_scatter). */
 #define ARX_PATTERN_SCATTER 1u
 /* Every peer gets the sender's own shard (the all-gather step: of a
- * two-shot all-reduce, or an all_gather). */
+ * two-shot all-reduce, with ARX_FLAG_ALLREDUCE, or an all_gather). */
 #define ARX_PATTERN_GATHER 2u
 /* Every peer gets the whole partial of a sender whose op field is
  * ARX_BCAST_ROOT, nothing of any other sender (a broadcast: the root
@@ -150,19 +150,26 @@ typedef unsigned int uint32_t;
  * so that reduce_scatter and all_gather blocks are exact and a two-shot
  * all-reduce's shards start on 16-byte boundaries whenever they can. Each
  * shard lands at its own offset in the receiver's slot. */
-/* Largest element count of one chunk: below the pattern bits, and a
+/* Largest element count of one chunk: below ARX_FLAG_ALLREDUCE, and a
  * multiple of ARX_SECTION_ALIGN elements so that every chunk of every
  * dtype starts on a 4 KiB boundary of the caller's buffer (as its first
  * does). */
-#define ARX_MAX_CHUNK 0x00fff000u
+#define ARX_MAX_CHUNK 0x007ff000u
 /* In the count field, below the pattern: this chunk's data sits in the
  * second half of its slots (at slot_bytes / 2), see "A call longer than
  * one slot" above. The sender's proxy, a relay and the receiver all place
  * the data by it. */
 #define ARX_FLAG_HIGH 0x01000000u
-/* The element count of the count field (without MORE, the pattern and
- * HIGH). */
-#define ARX_FLAG_ELEMS_MASK 0x00ffffffu
+/* In the count field, below HIGH: this SCATTER or GATHER call is a step of
+ * a two-shot all-reduce, not a reduce_scatter or an all_gather (ABI 9).
+ * The steps move the same bytes the same way, so without it a rank that
+ * all-reduces two-shot and a peer that reduce-scatters then all-gathers
+ * agreed on every flag word, and both returned Ok with the other's
+ * meaning. With it they differ in the first step's word and fail at once. */
+#define ARX_FLAG_ALLREDUCE 0x00800000u
+/* The element count of the count field (without MORE, the pattern, HIGH
+ * and ALLREDUCE). */
+#define ARX_FLAG_ELEMS_MASK 0x007fffffu
 /* Count field of the "invalid" flag words a rank whose fabric failed writes
  * to its peers (so that they fail at once): every count, HIGH and pattern
  * bit, no MORE; no call or refusal announces it (its element count is

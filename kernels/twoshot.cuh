@@ -115,9 +115,13 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
      * both steps of a two-shot chunk use the same half). */
     const u64 base = (p.more & ARX_FLAG_HIGH) ? slot / 2 : 0;
     const u32 pat1 = reduce ? ARX_PATTERN_SCATTER : ARX_PATTERN_GATHER;
-    const u64 flag1 = make_flag(seq, op, p.dtype, count, more | (pat1 << ARX_FLAG_PATTERN_SHIFT));
-    const u64 gflag =
-        make_flag(gseq, op, p.dtype, count, more | (ARX_PATTERN_GATHER << ARX_FLAG_PATTERN_SHIFT));
+    /* A two-shot's steps say so (ARX_FLAG_ALLREDUCE): a peer that
+     * reduce-scatters or all-gathers instead differs in the flag word. */
+    const u32 ar = two ? ARX_FLAG_ALLREDUCE : 0u;
+    const u64 flag1 =
+        make_flag(seq, op, p.dtype, count, more | ar | (pat1 << ARX_FLAG_PATTERN_SHIFT));
+    const u64 gflag = make_flag(gseq, op, p.dtype, count,
+                                more | ar | (ARX_PATTERN_GATHER << ARX_FLAG_PATTERN_SHIFT));
 
     const u32 L = shard_len(count, world, sizeof(S));
     if (two) {
@@ -195,7 +199,7 @@ __device__ void collective_run(const arx_params_t &p, u32 kind, u64 in_stride, u
     const u32 nnu = (ncount + nunit - 1) / nunit - (nk1 - nk0);
     const u32 nstage_next = nnu > 0 ? (nnu + per_chunk - 1) / per_chunk : 1u;
     const u64 nflag = make_flag(seq + 2, op, p.dtype, ncount,
-                                (p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH)) |
+                                (p.next_more & (ARX_FLAG_MORE | ARX_FLAG_HIGH)) | ar |
                                     (ARX_PATTERN_SCATTER << ARX_FLAG_PATTERN_SHIFT));
     const u64 nbytes = (u64)ncount * sizeof(S);
 

@@ -94,12 +94,16 @@ pub enum Pattern {
     /// Every peer got the whole partial: a one-shot all-reduce.
     #[default]
     Whole,
-    /// Each peer got its own shard: a reduce-scatter (alone, or the first
-    /// step of a two-shot all-reduce).
+    /// Each peer got its own shard: a `reduce_scatter`.
     Scatter,
-    /// Every peer got the sender's shard: an all-gather (alone, or the
-    /// second step of a two-shot all-reduce).
+    /// Every peer got the sender's shard: an `all_gather`.
     Gather,
+    /// Each peer got its own shard: the first step of a two-shot
+    /// all-reduce (`ARX_FLAG_ALLREDUCE`).
+    TwoShotScatter,
+    /// Every peer got the sender's reduced shard: the second step of a
+    /// two-shot all-reduce (`ARX_FLAG_ALLREDUCE`).
+    TwoShotGather,
     /// A broadcast: `root` when the sender announced itself as the root
     /// (every peer got its whole partial), else it sent no data.
     Broadcast {
@@ -111,12 +115,13 @@ pub enum Pattern {
 }
 
 impl Pattern {
-    /// From its `ARX_PATTERN_*` code.
-    /// From a flag word's pattern code and op field (a broadcast's root
-    /// bit).
-    pub(crate) fn from_code(code: u32, op: u32) -> Self {
+    /// From a flag word's pattern code, op field (a broadcast's root bit)
+    /// and `ARX_FLAG_ALLREDUCE` bit (`two`: a two-shot all-reduce's step).
+    pub(crate) fn from_code(code: u32, op: u32, two: bool) -> Self {
         match code {
             abi::ARX_PATTERN_WHOLE => Pattern::Whole,
+            abi::ARX_PATTERN_SCATTER if two => Pattern::TwoShotScatter,
+            abi::ARX_PATTERN_GATHER if two => Pattern::TwoShotGather,
             abi::ARX_PATTERN_SCATTER => Pattern::Scatter,
             abi::ARX_PATTERN_GATHER => Pattern::Gather,
             abi::ARX_PATTERN_BCAST => Pattern::Broadcast {
@@ -142,7 +147,11 @@ impl CallDesc {
         };
         let op = crate::protocol::flag_op(flag);
         let pattern = match kind {
-            CallKind::Reduce(_) => Pattern::from_code(crate::protocol::flag_pattern(flag), op),
+            CallKind::Reduce(_) => Pattern::from_code(
+                crate::protocol::flag_pattern(flag),
+                op,
+                flag & u64::from(abi::ARX_FLAG_ALLREDUCE) != 0,
+            ),
             _ => Pattern::Whole,
         };
         CallDesc {
@@ -168,14 +177,15 @@ impl std::fmt::Display for CallDesc {
                 let (op, d) = (self.op, d.name());
                 match self.pattern {
                     Pattern::Whole => write!(f, "an allreduce ({op} of {n} x {d})")?,
-                    Pattern::Scatter => write!(
+                    Pattern::Scatter => write!(f, "a reduce_scatter ({op} of {n} x {d})")?,
+                    Pattern::Gather => write!(f, "an all_gather ({n} x {d})")?,
+                    Pattern::TwoShotScatter => write!(
                         f,
-                        "a reduce-scatter step ({op} of {n} x {d}: a reduce_scatter or a two-shot allreduce)"
+                        "the reduce-scatter step of a two-shot allreduce ({op} of {n} x {d})"
                     )?,
-                    Pattern::Gather => write!(
-                        f,
-                        "an all-gather step ({n} x {d}: an all_gather or a two-shot allreduce)"
-                    )?,
+                    Pattern::TwoShotGather => {
+                        write!(f, "the all-gather step of a two-shot allreduce ({n} x {d})")?
+                    }
                     Pattern::Broadcast { root: true } => {
                         write!(f, "a broadcast ({n} x {d}) as its root")?
                     }

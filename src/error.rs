@@ -241,10 +241,26 @@ mod tests {
         );
         assert_eq!(
             mismatch(scatter, gather),
-            "call 3: rank 0 made a reduce-scatter step (max of 16 x bfloat16: \
-             a reduce_scatter or a two-shot allreduce), but rank 1 made an \
-             all-gather step (16 x bfloat16: an all_gather or a two-shot allreduce) \
-             then more (a chunk of a call longer than one slot)"
+            "call 3: rank 0 made a reduce_scatter (max of 16 x bfloat16), but rank 1 \
+             made an all_gather (16 x bfloat16) then more (a chunk of a call longer \
+             than one slot)"
+        );
+        // The same steps of a two-shot all-reduce differ from them
+        // (ARX_FLAG_ALLREDUCE) and say which they are.
+        let two = |f: u64| f | u64::from(abi::ARX_FLAG_ALLREDUCE);
+        assert_ne!(two(scatter), scatter);
+        assert_eq!(
+            mismatch(two(scatter), scatter),
+            "call 3: rank 0 made the reduce-scatter step of a two-shot allreduce \
+             (max of 16 x bfloat16), but rank 1 made a reduce_scatter (max of 16 x \
+             bfloat16)"
+        );
+        assert_eq!(
+            mismatch(gather, two(gather)),
+            "call 3: rank 0 made an all_gather (16 x bfloat16) then more (a chunk of \
+             a call longer than one slot), but rank 1 made the all-gather step of a \
+             two-shot allreduce (16 x bfloat16) then more (a chunk of a call longer \
+             than one slot)"
         );
         let refused = flag_word(3, abi::ARX_DTYPE_INVALID, 32);
         assert_eq!(

@@ -56,12 +56,14 @@ pub(crate) fn host<T: Element>(
     let count = output.len();
     let esize = std::mem::size_of::<T>();
     let mem = Placed { region, layout };
+    // Both steps say they are a two-shot all-reduce's (ARX_FLAG_ALLREDUCE):
+    // a peer that reduce-scatters or all-gathers instead fails at once.
     let word = |s: u64, pattern: u32| {
         protocol::flag_word_op(
             s,
             T::DTYPE.code(),
             op.code(),
-            protocol::count_field(count, more, pattern),
+            protocol::count_field(count, more, pattern) | abi::ARX_FLAG_ALLREDUCE as usize,
         )
     };
     let mine = protocol::shard(count, world, esize, me);
@@ -186,7 +188,8 @@ pub(crate) fn pipelined<T: Element>(
             T::DTYPE.code(),
             op.code(),
             protocol::count_field(c.range.len(), c.more, pattern)
-                | (c.bits() & abi::ARX_FLAG_HIGH) as usize,
+                | (c.bits() & abi::ARX_FLAG_HIGH) as usize
+                | abi::ARX_FLAG_ALLREDUCE as usize,
         )
     };
     // Out of place, each chunk's own shard is summed straight from the

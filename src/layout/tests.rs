@@ -203,8 +203,8 @@ fn flag_word_round_trips() {
     let more = crate::abi::ARX_FLAG_MORE as usize;
     for (seq, dtype, count, m) in [
         (1u64, 1u32, 1usize, false),
-        (0x1_2345_6789, 3, 0x00ff_ffff, false),
-        (0x1_2345_6789, 3, 0x00ff_f000, true),
+        (0x1_2345_6789, 3, 0x007f_ffff, false),
+        (0x1_2345_6789, 3, 0x007f_f000, true),
         (7, 2, 12345, false),
         (7, 2, 12345, true),
     ] {
@@ -217,6 +217,13 @@ fn flag_word_round_trips() {
         assert!(crate::protocol::flag_high(h));
         assert_eq!(flag_call(h), (dtype, count));
         assert_ne!(h, flag_word(seq, dtype, count));
+        // A two-shot all-reduce's step (ARX_FLAG_ALLREDUCE): the count
+        // decodes alone, and the word differs from the same step of a
+        // reduce_scatter or an all_gather.
+        let a = flag_word(seq, dtype, count | crate::abi::ARX_FLAG_ALLREDUCE as usize);
+        assert_eq!(flag_call(a), (dtype, count));
+        assert!(!crate::protocol::flag_high(a));
+        assert_ne!(a, flag_word(seq, dtype, count));
     }
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 1, 6));
     assert_ne!(flag_word(1, 1, 5), flag_word(1, 3, 5));
@@ -227,12 +234,12 @@ fn flag_word_round_trips() {
     use crate::protocol::flag_word_op;
     for op in 0..4 {
         for dtype in 0..4 {
-            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x00ff_f000 | more);
-            assert_eq!(flag_call(f), (dtype, 0x00ff_f000));
+            let f = flag_word_op(0x1_2345_6789, dtype, op, 0x007f_f000 | more);
+            assert_eq!(flag_call(f), (dtype, 0x007f_f000));
             assert_eq!(flag_seq(f), 0x2345_6789);
             assert_eq!(crate::dtype::CallDesc::of_flag(f).op.code(), op);
             if op > 0 {
-                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x00ff_f000 | more));
+                assert_ne!(f, flag_word_op(0x1_2345_6789, dtype, 0, 0x007f_f000 | more));
             }
         }
     }

@@ -395,6 +395,37 @@ pub(super) fn algo_mismatch(ctx: &Ctx, st: Staging) -> R {
     Ok(())
 }
 
+/// The last rank reduce-scatters (in place) what the others all-reduce
+/// two-shot: the same steps and bytes, told apart only by the flag word's
+/// `ARX_FLAG_ALLREDUCE` (the kernel's and the host side's), so every rank
+/// fails at once with `CallMismatch` naming the two-shot step; without
+/// the bit every rank returned Ok.
+pub(super) fn twoshot_vs_reduce_scatter(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(4);
+    let (mut arx, s) = build_opts(ctx, st, timeout, None, Some(Algo::TwoShot))?;
+    let lone = ctx.rank == ctx.n - 1;
+    let (msg, _, _) = expect_mismatch::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        "a reduce_scatter against a two-shot all-reduce",
+        0x7700_0101,
+        1024 * ctx.n,
+        timeout / 2,
+        |a, i, o| {
+            if lone {
+                a.reduce_scatter_in_place(o, &s)
+            } else {
+                a.allreduce(i, o, &s)
+            }
+        },
+    )?;
+    if !msg.contains("two-shot allreduce") || !msg.contains("a reduce_scatter") {
+        return Err(format!("the mismatch does not name both calls: {msg}"));
+    }
+    Ok(())
+}
+
 /// Two-shot under sustained load, the shape that stalled in
 /// `allreduce_perf -A twoshot -G 10` (3 and 4 ranks under MPS): ten
 /// calls of one size captured into one graph, replayed back to back with

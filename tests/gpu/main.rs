@@ -399,6 +399,10 @@ fn child() -> ExitCode {
             algo_mismatch,
         ),
         (
+            "a reduce_scatter against a two-shot all-reduce fails at once",
+            twoshot_vs_reduce_scatter,
+        ),
+        (
             "large: one answer at 64 MiB and odd lengths past slots, every algorithm, eager and graph",
             large_one_answer,
         ),

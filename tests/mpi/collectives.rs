@@ -238,9 +238,10 @@ pub(super) fn algo_mismatch(ctx: &Ctx) -> Result<(), String> {
     let timeout = arx.config().timeout;
     expect_err("algorithm mismatch", r, |e| match e {
         Error::CallMismatch { ours, theirs, .. } => {
-            let scatter = |p: Pattern| p == Pattern::Scatter;
+            let scatter = |p: Pattern| p == Pattern::TwoShotScatter;
             scatter(ours.pattern) != scatter(theirs.pattern)
-                && e.to_string().contains("reduce-scatter step")
+                && e.to_string()
+                    .contains("reduce-scatter step of a two-shot allreduce")
         }
         _ => false,
     })?;
@@ -289,6 +290,51 @@ pub(super) fn collective_mismatch(ctx: &Ctx) -> Result<(), String> {
     })?;
     if t.elapsed() > timeout / 2 {
         return Err(format!("the mismatches took {:?}", t.elapsed()));
+    }
+    Ok(())
+}
+
+/// The last rank reduce-scatters (then would all-gather) what the others
+/// all-reduce two-shot: the same steps, moving the same bytes, so the flag
+/// words differ only in `ARX_FLAG_ALLREDUCE`. Every rank fails its first
+/// call at once with a mismatch naming the two-shot step, in one slot and
+/// in a call of several chunks; no rank returns Ok (before ABI 9 every rank
+/// did, the all-reduce ranks with the lone rank's unrelated data in its
+/// shard).
+pub(super) fn twoshot_vs_reduce_scatter(ctx: &Ctx) -> Result<(), String> {
+    let lone = ctx.rank == ctx.n - 1;
+    for (k, per) in [16usize, 24 << 10].into_iter().enumerate() {
+        let mut arx = builder()
+            .algo(Algo::TwoShot)
+            .slot_bytes(64 << 10)
+            .build(ctx.world)
+            .map_err(|e| e.to_string())?;
+        let timeout = arx.config().timeout;
+        let total = ctx.n * per;
+        let input = verify::input::<f32>(SEED, 40 + k as u64, ctx.rank, total);
+        let t = Instant::now();
+        let r = if lone {
+            let mut out = vec![f32::NAN; per];
+            arx.reduce_scatter_host(&input, &mut out)
+                .and_then(|()| arx.all_gather_host(&out.clone(), &mut vec![0f32; total]))
+        } else {
+            let mut out = vec![f32::NAN; total];
+            arx.allreduce_host(&input, &mut out)
+        };
+        let what = format!("{per} x {} f32, chunked: {}", ctx.n, k == 1);
+        expect_err(&what, r, |e| match e {
+            Error::CallMismatch { ours, theirs, .. } => {
+                let two = |p: Pattern| p == Pattern::TwoShotScatter;
+                two(ours.pattern) != two(theirs.pattern)
+                    && e.to_string()
+                        .contains("reduce-scatter step of a two-shot allreduce")
+                    && e.to_string().contains("a reduce_scatter")
+            }
+            _ => false,
+        })?;
+        if t.elapsed() > timeout / 2 {
+            return Err(format!("{what}: the mismatch took {:?}", t.elapsed()));
+        }
     }
     Ok(())
 }

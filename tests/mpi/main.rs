@@ -276,6 +276,10 @@ fn child() -> ExitCode {
         ("one rank runs another algorithm", algo_mismatch),
         ("one rank calls another collective", collective_mismatch),
         (
+            "one rank reduce-scatters what the others all-reduce two-shot",
+            twoshot_vs_reduce_scatter,
+        ),
+        (
             "broadcast: every dtype, length and root, bit for bit",
             broadcast_bit_for_bit,
         ),
