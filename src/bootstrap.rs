@@ -79,6 +79,8 @@ pub struct Bootstrap {
     world: usize,
     timeout: Duration,
     starting: bool,
+    /// Not freed in Drop (a forked child's copy: MPI is the parent's).
+    abandoned: bool,
 }
 
 fn mpi_error(call: &'static str, code: c_int) -> Error {
@@ -334,6 +336,11 @@ fn set_errors_return(comm: ffi::MPI_Comm) -> Result<()> {
 }
 
 impl Bootstrap {
+    /// In a forked child: the communicator is not freed at drop.
+    pub(crate) fn abandon(&mut self) {
+        self.abandoned = true;
+    }
+
     /// Starts an instance over `comm`: its own communicator and every rank's
     /// settings record (`record` is this rank's, of a fixed size), each step
     /// bounded by `timeout`. Resumes a start-up on `comm` that timed out
@@ -426,6 +433,7 @@ impl Bootstrap {
                 world,
                 timeout,
                 starting: true,
+                abandoned: false,
             };
             set_errors_return(own)?;
             let (req, send, recv) = boot.post_all_gather(record, record.len())?;
@@ -485,6 +493,7 @@ impl Bootstrap {
             world,
             timeout,
             starting: true,
+            abandoned: false,
         };
         // SAFETY: the request completed; MPI no longer uses the buffers.
         let all = unsafe {
@@ -638,6 +647,9 @@ fn unreachable_state<T>() -> Result<T> {
 
 impl Drop for Bootstrap {
     fn drop(&mut self) {
+        if self.abandoned {
+            return;
+        }
         if mpi::environment::is_finalized() {
             log::debug!("arx: MPI already finalized; not freeing the duplicate communicator");
             return;

@@ -274,6 +274,7 @@ mod dtype;
 mod error;
 mod establish;
 mod fabric;
+mod fork;
 mod gpu_collectives;
 mod layout;
 mod op;
@@ -662,6 +663,18 @@ impl Arx {
 
 impl Drop for Arx {
     fn drop(&mut self) {
+        // In a forked child (src/fork.rs) the proxy thread, the GPU context
+        // and MPI belong to the parent: leave them alone, free nothing.
+        if self.device.forked() {
+            log::warn!(
+                "arx: rank {}: instance dropped in a forked child; the parent's is left alone",
+                self.rank()
+            );
+            self.device.abandon();
+            self.proxy.abandon();
+            self.boot.abandon();
+            return;
+        }
         // Kernels in flight need the proxy (peers wait for this rank's
         // sends): let them finish (each ends by its deadline) before the
         // proxy stops.

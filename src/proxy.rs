@@ -305,6 +305,12 @@ impl Link {
 }
 
 impl Proxy {
+    /// In a forked child: forgets the thread's handle (the thread is the
+    /// parent's) without stopping or waiting for it.
+    pub(crate) fn abandon(&mut self) {
+        std::mem::forget(self.thread.take());
+    }
+
     /// Stops the thread after it has drained what was published (bounded by
     /// the timeout) and joins it. The fabric stays alive until the proxy is
     /// dropped, so that the caller can close collectively in between.

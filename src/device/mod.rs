@@ -52,6 +52,8 @@ pub(crate) struct Device {
     /// The first error; every later call returns it (a failed collective
     /// leaves the ranks out of step).
     failed: Option<Error>,
+    /// The process's fork count when the instance was made (src/fork.rs).
+    born: u64,
 }
 
 impl Device {
@@ -72,7 +74,19 @@ impl Device {
             link,
             seq: 0,
             failed: None,
+            born: crate::fork::generation(),
         }
+    }
+
+    /// Whether this process is a fork of the one that made the instance.
+    pub(crate) fn forked(&self) -> bool {
+        crate::fork::forked(self.born)
+    }
+
+    /// In a forked child: forgets the GPU side (its context is the
+    /// parent's) instead of freeing it.
+    pub(crate) fn abandon(&mut self) {
+        std::mem::forget(std::mem::replace(&mut self.side, Side::Host));
     }
 
     /// "host", or the GPU side's description.
@@ -118,6 +132,14 @@ impl Device {
 
     /// The sticky error, or what either side recorded, or the proxy's.
     pub(crate) fn ready(&mut self) -> Result<()> {
+        if self.forked() {
+            return Err(Error::Proxy(format!(
+                "this process (pid {}) is a fork of the one that made the instance: the \
+                 proxy thread, GPU context and MPI state stay with the parent; make \
+                 instances in the child itself",
+                std::process::id()
+            )));
+        }
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }

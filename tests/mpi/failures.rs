@@ -405,3 +405,52 @@ pub(super) fn retry_on_fresh_comm(ctx: &Ctx) -> Result<(), String> {
     let comm = ctx.world.duplicate();
     retry_after(ctx, &comm)
 }
+
+/// Rank 0 forks after making its instance; the child's call fails at once
+/// with an error that says so (before, it published into the parent's
+/// region, and the peers' next call returned Ok with the child's data),
+/// and the child's drop of its copy frees nothing of the parent's. Then
+/// every rank's call is exact, rank 0's from the parent.
+pub(super) fn forked_child(ctx: &Ctx) -> Result<(), String> {
+    let n = 1000;
+    let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    if ctx.rank == 0 {
+        // SAFETY: the child runs one call and a drop of its copy of the
+        // instance (neither touches MPI or the parent's threads), then
+        // leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err("fork failed".into());
+        }
+        if pid == 0 {
+            let input = verify::input::<f32>(SEED, 77, 0, n);
+            let mut out = vec![0f32; n];
+            let r = arx.allreduce_host(&input, &mut out);
+            let refused = matches!(&r, Err(Error::Proxy(m)) if m.contains("fork"));
+            drop(arx);
+            // SAFETY: leaves the child at once (no destructors, no MPI).
+            unsafe { libc::_exit(if refused { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+            return Err("waitpid failed".into());
+        }
+        if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
+            return Err(format!(
+                "the forked child's call was not refused naming the fork (status {status})"
+            ));
+        }
+    }
+    for call in [78u64, 79] {
+        let input = verify::input::<f32>(SEED, call, ctx.rank, n);
+        let mut out = vec![f32::NAN; n];
+        arx.allreduce_host(&input, &mut out)
+            .map_err(|e| format!("call {call} after the fork: {e}"))?;
+        let want = verify::expected::<f32>(SEED, call, ctx.n, n);
+        if bytemuck::cast_slice::<f32, u8>(&out) != bytemuck::cast_slice::<f32, u8>(&want) {
+            return Err(format!("call {call} after the fork: wrong sum"));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,76 @@
+//! Instances and `fork`. A child forked after an instance was created has
+//! a copy of the instance (its memory, the region mapping) but not its
+//! proxy thread, GPU context or MPI state, which stay with the parent. A
+//! call there would publish into the region the parent's proxy sends
+//! from, and the parent's peers would sum it as the parent's data. So a
+//! handler registered with `pthread_atfork` counts forks in the child;
+//! every call checks the count it was created under (one relaxed load)
+//! and fails in a child, and dropping an instance in a child frees
+//! nothing the parent still uses.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Once;
+
+/// Forks this process has been the child of (since the handler was
+/// registered).
+static FORKS: AtomicU64 = AtomicU64::new(0);
+static REGISTER: Once = Once::new();
+
+extern "C" fn in_child() {
+    // Runs in the child right after fork (one thread): an atomic add is
+    // async-signal-safe.
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The fork count an instance records when it is created (registering the
+/// handler first, once per process).
+pub(crate) fn generation() -> u64 {
+    REGISTER.call_once(|| {
+        // SAFETY: registers a handler that only touches an atomic; no
+        // prepare or parent handler. A failure (ENOMEM) leaves forks
+        // uncounted: logged, not fatal.
+        let rc = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+        if rc != 0 {
+            log::warn!(
+                "arx: pthread_atfork failed ({rc}); calls in a forked child are not refused"
+            );
+        }
+    });
+    FORKS.load(Ordering::Relaxed)
+}
+
+/// Whether this process is a fork of the one that recorded `born`.
+pub(crate) fn forked(born: u64) -> bool {
+    FORKS.load(Ordering::Relaxed) != born
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forked_child_sees_a_new_generation() {
+        let born = generation();
+        assert!(!forked(born));
+        // SAFETY: the child only reads an atomic and calls _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let code = if forked(born) { 0 } else { 1 };
+            // SAFETY: leaves the child at once, running nothing of the
+            // parent's (no destructors, no test harness).
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        let w = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(w, pid);
+        assert!(libc::WIFEXITED(status), "child status {status}");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the child did not see the fork"
+        );
+        assert!(!forked(born), "the parent must not count its child's fork");
+    }
+}
