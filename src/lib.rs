@@ -167,6 +167,14 @@
 //!   a timeout included. (Until every rank has entered [`Arx::new`] on it
 //!   once, the others' `MPI_Comm_idup` is pending, and collectives you start
 //!   meanwhile are ordered after it, as for any collective.)
+//! * **While that `MPI_Comm_idup` is pending (a start-up that timed out
+//!   waiting for a late rank), make no new communicator from yours**
+//!   (`MPI_Comm_dup`, `_split`, `_create`, and mpi4py's lowercase
+//!   collectives, which duplicate the communicator on first use): Open MPI
+//!   4.1 was seen to hang in a blocking `MPI_Comm_dup` on the rank whose
+//!   `idup` was pending, while the others returned. Collectives on buffers
+//!   (`MPI_Allreduce`, mpi4py's `Allreduce`) are fine, and so is the retry
+//!   below, which completes the request.
 //! * A start-up that times out before every rank has sent its settings
 //!   (a rank arrived late, or not yet) leaves its MPI request posted; the
 //!   [`Error::Timeout`] says so, and the next [`Arx::new`] on the same
@@ -187,7 +195,9 @@
 //!   timeout runs out returns `Ok` while they return a timeout, and its
 //!   instance fails its first call with [`Error::Timeout`]. A program that
 //!   retries after a start-up failure should agree on the outcome first
-//!   (for example, an all-reduce of a success flag on its communicator),
+//!   (for example, an `MPI_Allreduce` of a success flag on its
+//!   communicator: a buffer collective, see above; in mpi4py
+//!   `comm.Allreduce` on a NumPy array, not the lowercase `comm.allreduce`),
 //!   drop the instances that were created, and call [`Arx::new`] on every
 //!   rank.
 //!

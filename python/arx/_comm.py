@@ -4,6 +4,7 @@ argument kind
 (host buffer, torch tensor, CUDA array interface, DLPack)."""
 
 import itertools
+import operator
 import sys
 import weakref
 
@@ -412,7 +413,11 @@ class Comm:
                 f"input is a {type(x).__name__} ({kind}) but out is a {type(out).__name__} "
                 f"({_kind(out)}): both must be the same kind of array",
             )
-        if not isinstance(root, int) or isinstance(root, bool) or not -(2**63) <= root < 2**63:
+        # Any integer (NumPy's too, through __index__); bool is refused.
+        if isinstance(root, bool) or not hasattr(type(root), "__index__"):
+            c.refuse(_count(x), f"broadcast: root={root!r} is not an integer")
+        root = operator.index(root)
+        if not -(2**63) <= root < 2**63:
             c.refuse(_count(x), f"broadcast: root={root!r} is not a rank of this {self.size}-rank comm")
         if kind == "dlpack-cuda":
             torch = self._torch_for_dlpack(x)

@@ -656,6 +656,14 @@ def broadcast_on_host_buffers():
                                 got = comm.broadcast(out, out, root=root, **kw)
                             check(got is out, f"{name}: did not return the array")
                         check(same_bits(out, want), f"{name}: {wrong(out, want)}")
+        # A NumPy integer root (through __index__) is a root like any other.
+        for root in range(SIZE):
+            cid += 1
+            mine = ag_input(cid, 77, "float32", RANK)
+            want = ag_input(cid, 77, "float32", root)
+            out = poison(77, "float32")
+            comm.broadcast(mine, out, np.int64(root))
+            check(same_bits(out, want), f"broadcast root=np.int64({root}): {wrong(out, want)}")
         # Then an all-reduce on the same Comm.
         call_and_check(comm, 5999, 300, "float32", False, "an all-reduce after the broadcasts")
 
