@@ -42,7 +42,32 @@ pub(crate) fn op(o: RawRedOp) -> Result<Op, Failure> {
     }
 }
 
-/// The buffers of one call, checked: both non-NULL, `count` elements in
+/// The addresses of `sendbuff` and `recvbuff`: NULL is refused unless the
+/// call is `empty` (count 0, as NCCL accepts), where a NULL buffer stands
+/// for no memory and becomes the element size itself: a non-NULL address
+/// aligned to the element, as a Rust slice of no elements needs (nothing is
+/// ever read or written through it), and equal for two NULLs (in place).
+fn addresses(
+    send: *const c_void,
+    recv: *mut c_void,
+    empty: bool,
+    dtype: Dtype,
+) -> Result<(usize, usize), Failure> {
+    let none = dtype.size();
+    match (send.is_null(), recv.is_null()) {
+        (false, false) => Ok((send as usize, recv as usize)),
+        (sn, rn) if empty => Ok((
+            if sn { none } else { send as usize },
+            if rn { none } else { recv as usize },
+        )),
+        (sn, _) => Err(Failure::invalid(format!(
+            "{} is NULL (NULL is accepted with count 0 only)",
+            if sn { "sendbuff" } else { "recvbuff" }
+        ))),
+    }
+}
+
+/// The buffers of one call, checked: both non-NULL (or count 0), `count` elements in
 /// bytes without overflow, and either the same address (in place) or
 /// disjoint.
 pub(crate) struct Buffers {
@@ -61,17 +86,7 @@ impl Buffers {
         dtype: Dtype,
         op: Op,
     ) -> Result<Self, Failure> {
-        if send.is_null() || recv.is_null() {
-            return Err(Failure::invalid(format!(
-                "{} is NULL",
-                if send.is_null() {
-                    "sendbuff"
-                } else {
-                    "recvbuff"
-                }
-            )));
-        }
-        let (s, r) = (send as usize, recv as usize);
+        let (s, r) = addresses(send, recv, count == 0, dtype)?;
         let bytes = count
             .checked_mul(dtype.size())
             .filter(|b| *b <= isize::MAX as usize)
@@ -252,17 +267,7 @@ impl Blocks {
         world: usize,
         rank: usize,
     ) -> Result<Self, Failure> {
-        if send.is_null() || recv.is_null() {
-            return Err(Failure::invalid(format!(
-                "{} is NULL",
-                if send.is_null() {
-                    "sendbuff"
-                } else {
-                    "recvbuff"
-                }
-            )));
-        }
-        let (s, r) = (send as usize, recv as usize);
+        let (s, r) = addresses(send, recv, n == 0, dtype)?;
         // The world-sized buffer: sendbuff of a reduce-scatter, recvbuff of
         // an all-gather.
         let big = if coll == Coll::ReduceScatter { s } else { r };

@@ -259,6 +259,40 @@ fn buffers_null_overlap_and_overflow_are_refused() {
     assert!(buffers(4096, 8192, 0, Dtype::Bf16).is_ok(), "empty");
 }
 
+/// NULL buffers with count 0 are an empty call (as NCCL takes them): they
+/// become a non-NULL address aligned to the element, both NULL in place.
+#[test]
+fn null_buffers_of_an_empty_call_are_accepted() {
+    for d in [Dtype::F32, Dtype::F16, Dtype::Bf16] {
+        let b = buffers(0, 0, 0, d).map_err(|f| f.message).unwrap();
+        assert!(b.send != 0 && b.send == b.recv && b.send % d.size() == 0);
+        let b = buffers(0, 4096, 0, d).map_err(|f| f.message).unwrap();
+        assert!(b.send != 0 && b.send % d.size() == 0 && b.recv == 4096);
+        let b = buffers(4096, 0, 0, d).map_err(|f| f.message).unwrap();
+        assert!(b.recv != 0 && b.recv % d.size() == 0 && b.send == 4096);
+        // One element: NULL is refused, naming the buffer.
+        let f = buffers(0, 0, 1, d).err().expect("NULL with count 1");
+        assert!(f.message.contains("sendbuff is NULL"), "{}", f.message);
+    }
+    for coll in [Coll::ReduceScatter, Coll::AllGather] {
+        for (s, r) in [(0, 0), (0, 4096), (4096, 0)] {
+            let b = Blocks::check(
+                coll,
+                s as *const c_void,
+                r as *mut c_void,
+                0,
+                Dtype::F32,
+                arx::Op::Sum,
+                4,
+                3,
+            );
+            let mut b = b.map_err(|f| f.message).unwrap();
+            assert!(b.send != 0 && b.recv != 0);
+            assert!(b.aligned().is_ok() && b.layout().is_ok());
+        }
+    }
+}
+
 /// The layout of a reduce-scatter or all-gather on `rank` of `world`:
 /// `Some(true)` in place, `Some(false)` disjoint, `None` refused (the face
 /// checks of `Blocks::check` panic the test if they refuse).

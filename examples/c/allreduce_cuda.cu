@@ -273,6 +273,18 @@ int main(int argc, char **argv) {
         }
     }
 
+    /* Empty calls with NULL buffers (NCCL accepts them): a call like any
+     * other on every rank; the next call is still right. */
+    r = arxAllReduce(NULL, NULL, 0, arxFloat32, arxSum, comm, b.s);
+    CHECK(r == arxSuccess, "empty all-reduce, NULL buffers: %s", arxGetLastError(comm));
+    r = arxReduceScatter(NULL, NULL, 0, arxBfloat16, arxSum, comm, b.s);
+    CHECK(r == arxSuccess, "empty reduce-scatter, NULL buffers: %s", arxGetLastError(comm));
+    r = arxAllGather(NULL, NULL, 0, arxFloat16, comm, b.s);
+    CHECK(r == arxSuccess, "empty all-gather, NULL buffers: %s", arxGetLastError(comm));
+    r = arxBroadcast(NULL, NULL, 0, arxFloat32, 0, comm, b.s);
+    CHECK(r == arxSuccess, "empty broadcast, NULL buffers: %s", arxGetLastError(comm));
+    eager(comm, &b, REF_F32, 777, 0, call++);
+
     /* Graphs, replayed many times with new inputs. */
     graph(comm, &b, REF_BF16, 4096, 0, 500, cudaStreamCaptureModeGlobal, &call);
     graph(comm, &b, REF_F16, 1000, 1, 300, cudaStreamCaptureModeThreadLocal, &call);

@@ -174,6 +174,20 @@ int main(int argc, char **argv) {
     CHECK(r == arxSuccess && async == arxSuccess, "async error after refused calls: %d, %d", r, async);
     checked_call(comm, arxFloat32, 100, 0, call++); /* still usable */
 
+    /* Empty calls with NULL buffers (NCCL accepts them): each is a call
+     * like any other on every rank, and the next call is still right. */
+    r = arxAllReduceHost(NULL, NULL, 0, arxFloat32, arxSum, comm);
+    CHECK(r == arxSuccess, "empty all-reduce, NULL buffers: %d: %s", r, arxGetLastError(comm));
+    r = arxAllReduceHost(a, NULL, 0, arxBfloat16, arxMax, comm);
+    CHECK(r == arxSuccess, "empty all-reduce, NULL recvbuff: %d: %s", r, arxGetLastError(comm));
+    r = arxReduceScatterHost(NULL, NULL, 0, arxFloat16, arxSum, comm);
+    CHECK(r == arxSuccess, "empty reduce-scatter, NULL buffers: %d: %s", r, arxGetLastError(comm));
+    r = arxAllGatherHost(NULL, b, 0, arxFloat32, comm);
+    CHECK(r == arxSuccess, "empty all-gather, NULL sendbuff: %d: %s", r, arxGetLastError(comm));
+    r = arxBroadcastHost(NULL, NULL, 0, arxFloat32, 0, comm);
+    CHECK(r == arxSuccess, "empty broadcast, NULL buffers: %d: %s", r, arxGetLastError(comm));
+    checked_call(comm, arxBfloat16, 333, 1, call++);
+
     /* A call whose count differs on the last rank: an error on every rank
      * at once (not by the 20 s timeout), and the comm stays failed. */
     size_t count = rank == last ? 101 : 100;
