@@ -29,7 +29,7 @@ pub enum Error {
     #[error("ranks disagree on {what}: rank {rank} has {theirs}, rank 0 has {ours}")]
     Mismatch {
         /// What differs: a setting's variable (`ARX_DEVICE`, `ARX_FABRIC`,
-        /// `ARX_STAGING`, `ARX_SLOT_BYTES`, whether set by variable or
+        /// `ARX_STAGING`, `ARX_ALGO`, `ARX_SLOT_BYTES`, whether set by variable or
         /// builder), or the ABI version, world size, dtype set, node, ...
         what: &'static str,
         /// The first rank whose value differs from rank 0's.

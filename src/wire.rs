@@ -38,6 +38,10 @@ pub(crate) struct Settings {
     staging: u8,
     slot_bytes: u64,
     dtype_set: u32,
+    /// `ARX_ALGO` ([`crate::Algo`]'s code): ranks that run different
+    /// algorithms would fail at their first call where the choices differ
+    /// (a size that depends on the job); agreed here instead.
+    algo: u8,
 }
 
 impl Settings {
@@ -54,6 +58,7 @@ impl Settings {
             staging: 0,
             slot_bytes: 0,
             dtype_set: DTYPE_SET,
+            algo: 0,
         };
         match cfg {
             Ok(c) => {
@@ -61,6 +66,7 @@ impl Settings {
                 s.fabric = c.fabric.code();
                 s.staging = c.staging.code();
                 s.slot_bytes = c.slot_bytes as u64;
+                s.algo = c.algo.code();
             }
             Err(e) => s.refused = Some(e.to_string()),
         }
@@ -84,6 +90,7 @@ impl Settings {
             .u64(self.slot_bytes)
             .u32(self.dtype_set)
             .u16(n as u16)
+            .u8(self.algo)
             .pad_to(MESSAGE_AT)
             .bytes(&msg[..n])
             .pad_to(SETTINGS_BYTES)
@@ -124,6 +131,7 @@ impl Settings {
         let [refused, device, fabric, staging] = r.array();
         let (slot_bytes, dtype_set) = (r.u64(), r.u32());
         let n = (r.u16() as usize).min(MESSAGE_BYTES);
+        let [algo] = r.array();
         r.skip_to(MESSAGE_AT);
         let message = r.bytes(n);
         Ok(Settings {
@@ -137,6 +145,7 @@ impl Settings {
             staging,
             slot_bytes,
             dtype_set,
+            algo,
         })
     }
 }
@@ -183,6 +192,7 @@ pub(crate) fn agree_settings(local: Result<Config>, all: &[Vec<u8>]) -> Result<C
             ("ARX_DEVICE", s.device, r0.device),
             ("ARX_FABRIC", s.fabric, r0.fabric),
             ("ARX_STAGING", s.staging, r0.staging),
+            ("ARX_ALGO", s.algo, r0.algo),
         ] {
             if theirs != ours {
                 return Err(bad(
@@ -562,6 +572,26 @@ mod tests {
             "1048576",
             "4096",
         );
+        mismatch(
+            &odd(2, |c| c.algo = crate::Algo::TwoShot),
+            "ARX_ALGO",
+            2,
+            "auto",
+            "twoshot",
+        );
+        mismatch(
+            &settings(3, |r, c| {
+                c.algo = if r == 0 {
+                    crate::Algo::OneShot
+                } else {
+                    crate::Algo::Auto
+                }
+            }),
+            "ARX_ALGO",
+            1,
+            "oneshot",
+            "auto",
+        );
         assert!(agree_settings(ok_config(), &settings(3, |_, _| {})).is_ok());
     }
 
@@ -654,6 +684,7 @@ mod tests {
             staging: 3,
             slot_bytes: 0x1122_3344_5566_7788,
             dtype_set: DTYPE_SET,
+            algo: 2,
         };
         let want = golden(
             &[
@@ -664,9 +695,10 @@ mod tests {
                 "8877665544332211",
                 "0e000000",
                 "0200",
+                "02",
             ]
             .concat(),
-        ) + &"00".repeat(MESSAGE_AT - 38)
+        ) + &"00".repeat(MESSAGE_AT - 39)
             + "6e6f"
             + &"00".repeat(SETTINGS_BYTES - MESSAGE_AT - 2);
         assert_eq!(hex(&s.encode()), want);

@@ -101,6 +101,15 @@ impl Algo {
             fixed => fixed,
         }
     }
+    /// Its code in the start-up record every rank compares
+    /// (`setting_name` spells it back).
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Algo::Auto => 0,
+            Algo::OneShot => 1,
+            Algo::TwoShot => 2,
+        }
+    }
     /// Its spelling in `ARX_ALGO`.
     pub fn name(self) -> &'static str {
         match self {
@@ -176,6 +185,7 @@ pub(crate) fn setting_name(what: &str, code: u8) -> String {
         "ARX_DEVICE" => &["auto", "host", "gpu"],
         "ARX_FABRIC" => &["auto", "shm", "verbs"],
         "ARX_STAGING" => &["sm", "copy"],
+        "ARX_ALGO" => &["auto", "oneshot", "twoshot"],
         _ => &[],
     };
     names
@@ -248,8 +258,9 @@ pub struct Config {
     /// GPU send-slot staging (`ARX_STAGING`).
     pub staging: Staging,
     /// All-reduce algorithm (`ARX_ALGO`): every rank must choose alike
-    /// (a rank whose call runs another algorithm fails with its peers at
-    /// once, [`crate::Error::CallMismatch`]).
+    /// (checked at start-up, [`crate::Error::Mismatch`] naming the first
+    /// rank that differs; a call whose flags show another algorithm still
+    /// fails at once, [`crate::Error::CallMismatch`]).
     pub algo: Algo,
     /// RDMA devices for lane 0 and lane 1 (`ARX_DEVICES=dev0,dev1`).
     pub devices: Option<Vec<String>>,

@@ -395,7 +395,7 @@ fn child() -> ExitCode {
             gpu_and_host_mixed,
         ),
         (
-            "ranks on different all-reduce algorithms fail at once",
+            "ranks on different all-reduce algorithms fail at start-up",
             algo_mismatch,
         ),
         (

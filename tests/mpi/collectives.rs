@@ -4,7 +4,7 @@
 //! on edge-value inputs; and ranks that disagree on the algorithm or the
 //! collective all fail at once.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arx::{Algo, Op, Pattern};
 
@@ -219,36 +219,44 @@ pub(super) fn reduce_scatter_all_gather(ctx: &Ctx) -> Result<(), String> {
     checked::<f32>(ctx, &mut arx, 12999, 300, false)
 }
 
-/// Rank 0 all-reduces two-shot, the others one-shot: every rank fails at
-/// once naming a peer, and the message says which step each called.
+/// Rank 0 chooses two-shot, the others one-shot (then: the last rank
+/// auto, the others one-shot): start-up fails on every rank at once with
+/// `Mismatch` naming `ARX_ALGO` and the first rank that differs (before,
+/// it passed start-up and failed at the first call where the algorithms
+/// differ, a size that depends on the job). Then every rank agrees and
+/// the instance all-reduces right.
 pub(super) fn algo_mismatch(ctx: &Ctx) -> Result<(), String> {
-    let algo = if ctx.rank == 0 {
+    let t = Instant::now();
+    let first = if ctx.rank == 0 {
         Algo::TwoShot
     } else {
         Algo::OneShot
     };
+    let r = builder().algo(first).build(ctx.world).map(|_| ());
+    expect_err("algorithm mismatch at start-up", r, |e| {
+        matches!(e, Error::Mismatch { what: "ARX_ALGO", rank: 1, ours, theirs }
+            if ours == "twoshot" && theirs == "oneshot")
+            && e.to_string().contains("ARX_ALGO")
+    })?;
+    let last = ctx.n - 1;
+    let second = if ctx.rank == last {
+        Algo::Auto
+    } else {
+        Algo::OneShot
+    };
+    let r = builder().algo(second).build(ctx.world).map(|_| ());
+    expect_err("auto against oneshot at start-up", r, |e| {
+        matches!(e, Error::Mismatch { what: "ARX_ALGO", rank, ours, theirs }
+            if *rank == last && ours == "oneshot" && theirs == "auto")
+    })?;
+    if t.elapsed() > Duration::from_secs(30) {
+        return Err(format!("the algorithm mismatches took {:?}", t.elapsed()));
+    }
     let mut arx = builder()
-        .algo(algo)
+        .algo(Algo::TwoShot)
         .build(ctx.world)
         .map_err(|e| e.to_string())?;
-    let input = verify::input::<f32>(SEED, 1, ctx.rank, 64);
-    let mut out = vec![0f32; 64];
-    let t = Instant::now();
-    let r = arx.allreduce_host(&input, &mut out);
-    let timeout = arx.config().timeout;
-    expect_err("algorithm mismatch", r, |e| match e {
-        Error::CallMismatch { ours, theirs, .. } => {
-            let scatter = |p: Pattern| p == Pattern::TwoShotScatter;
-            scatter(ours.pattern) != scatter(theirs.pattern)
-                && e.to_string()
-                    .contains("reduce-scatter step of a two-shot allreduce")
-        }
-        _ => false,
-    })?;
-    if t.elapsed() > timeout / 2 {
-        return Err(format!("the algorithm mismatch took {:?}", t.elapsed()));
-    }
-    Ok(())
+    checked::<f32>(ctx, &mut arx, 77, 4099, false)
 }
 
 /// Rank 0 calls all_gather, the others reduce_scatter of the same total:

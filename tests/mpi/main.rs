@@ -226,7 +226,8 @@ fn child() -> ExitCode {
         n: world.size() as usize,
     };
     let verdict = verdict::Verdict::new(&world);
-    let mut cases: Vec<(&str, Case)> = vec![
+    let mut cases: Vec<(&str, Case)> =
+        vec![
         ("every dtype and length, bit for bit", correctness),
         ("every dtype at a few lengths, bit for bit", few_lengths),
         ("in place", in_place),
@@ -273,7 +274,7 @@ fn child() -> ExitCode {
             "reduce_scatter and all_gather, every dtype and length, bit for bit",
             reduce_scatter_all_gather,
         ),
-        ("one rank runs another algorithm", algo_mismatch),
+        ("ranks that choose other algorithms fail at start-up", algo_mismatch),
         ("one rank calls another collective", collective_mismatch),
         (
             "one rank reduce-scatters what the others all-reduce two-shot",
