@@ -5,8 +5,12 @@
 //! from, and the parent's peers would sum it as the parent's data. So a
 //! handler registered with `pthread_atfork` counts forks in the child;
 //! every call checks the count it was created under (one relaxed load)
-//! and fails in a child, and dropping an instance in a child frees
-//! nothing the parent still uses.
+//! and fails in a child, before it touches MPI, CUDA or a lock the
+//! parent's threads may have held at the fork (`Device::fork_guard`: the
+//! collectives, `barrier`, `check`, `async_error`, `probe_rails`, the
+//! safe GPU calls before cudarc's driver calls; `last_stages` shows
+//! nothing), and dropping an instance in a child frees nothing the parent
+//! still uses.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Once;

@@ -427,6 +427,7 @@ impl Arx {
     /// next call exercises the failure path. Not for production use.
     #[doc(hidden)]
     pub fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
+        self.device.fork_guard()?;
         self.proxy.inject_fault(peer, lane)
     }
 
@@ -467,14 +468,22 @@ impl Arx {
     /// `Algo::OneShot` to trace every all-reduce, as `allreduce_perf
     /// --stages` does). On a GPU instance,
     /// synchronize first ([`Arx::check`]) to read a finished call.
+    ///
+    /// In a forked child: nothing traced (the trace's lock may have been
+    /// held by the parent's proxy thread at the fork).
     pub fn last_stages(&self) -> Stages {
+        if self.device.forked() {
+            return Stages::default();
+        }
         self.proxy.stages()
     }
 
     /// A barrier over the instance's private communicator, bounded by the
     /// call timeout (a rank that never arrives is an [`Error::Timeout`]).
     /// After `MPI_Finalize` it returns [`Error::Mpi`] without calling MPI.
+    /// In a forked child: the fork's error, without calling MPI.
     pub fn barrier(&self) -> Result<()> {
+        self.device.fork_guard()?;
         self.boot.barrier("user barrier")
     }
 
@@ -483,6 +492,15 @@ impl Arx {
     /// device side it only returns the recorded error.
     pub fn check(&mut self) -> Result<()> {
         self.device.check()
+    }
+
+    /// The error every call of this instance returns in a forked child of
+    /// the process that made it (`Ok` in that process): for bindings that
+    /// look at buffers through CUDA before calling arx, so that a child
+    /// gets the fork's error rather than CUDA's.
+    #[doc(hidden)]
+    pub fn fork_check(&self) -> Result<()> {
+        self.device.fork_guard()
     }
 
     /// [`Arx::check`] without waiting for the GPU: the first error of this

@@ -597,6 +597,8 @@ fn checked_call<H, C: Send>(
 ) -> PyResult<()> {
     let mut me = borrow(py, slf)?;
     let arx = me.instance().map_err(|u| usage_err(py, u))?;
+    // In a forked child, before `check` asks CUDA about the buffers.
+    arx.fork_check().map_err(|e| arx_err(py, e))?;
     let (held, call) = match check(arx) {
         Ok(c) => c,
         Err(e) => {

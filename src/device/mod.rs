@@ -83,6 +83,21 @@ impl Device {
         crate::fork::forked(self.born)
     }
 
+    /// The error of every call in a forked child (src/fork.rs), before it
+    /// touches MPI, CUDA, the region or a lock the parent's threads may
+    /// have held at the fork.
+    pub(crate) fn fork_guard(&self) -> Result<()> {
+        if self.forked() {
+            return Err(Error::Proxy(format!(
+                "this process (pid {}) is a fork of the one that made the instance: the \
+                 proxy thread, GPU context and MPI state stay with the parent; make \
+                 instances in the child itself",
+                std::process::id()
+            )));
+        }
+        Ok(())
+    }
+
     /// In a forked child: forgets the GPU side (its context is the
     /// parent's) instead of freeing it.
     pub(crate) fn abandon(&mut self) {
@@ -132,14 +147,7 @@ impl Device {
 
     /// The sticky error, or what either side recorded, or the proxy's.
     pub(crate) fn ready(&mut self) -> Result<()> {
-        if self.forked() {
-            return Err(Error::Proxy(format!(
-                "this process (pid {}) is a fork of the one that made the instance: the \
-                 proxy thread, GPU context and MPI state stay with the parent; make \
-                 instances in the child itself",
-                std::process::id()
-            )));
-        }
+        self.fork_guard()?;
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
@@ -159,6 +167,7 @@ impl Device {
 
     /// Synchronizes, then [`Device::ready`].
     pub(crate) fn check(&mut self) -> Result<()> {
+        self.fork_guard()?;
         if let Err(e) = self.synchronize() {
             return Err(self.fail(e));
         }
@@ -327,6 +336,9 @@ impl Device {
 
     /// Checks that `stream` belongs to this instance's GPU.
     pub(crate) fn same_context(&self, stream: &CudaStream) -> Result<()> {
+        // First of every safe GPU call: before cudarc's driver calls on
+        // the caller's buffers in a forked child.
+        self.fork_guard()?;
         match &self.side {
             Side::Gpu(g) if g.context().cu_ctx() == stream.context().cu_ctx() => Ok(()),
             Side::Gpu(g) => Err(Error::InvalidArgument(format!(

@@ -414,22 +414,38 @@ pub(super) fn retry_on_fresh_comm(ctx: &Ctx) -> Result<(), String> {
 pub(super) fn forked_child(ctx: &Ctx) -> Result<(), String> {
     let n = 1000;
     let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    // A traced call first, so that the parent has a trace to show.
+    arx.trace_stages(true);
+    checked::<f32>(ctx, &mut arx, 76, n, false)?;
+    arx.trace_stages(false);
     if ctx.rank == 0 {
-        // SAFETY: the child runs one call and a drop of its copy of the
-        // instance (neither touches MPI or the parent's threads), then
-        // leaves with _exit.
+        if arx.last_stages().seq == 0 {
+            return Err("the traced call left no trace".into());
+        }
+        // SAFETY: the child runs calls that arx refuses and a drop of its
+        // copy of the instance (none touches MPI or the parent's threads),
+        // then leaves with _exit.
         let pid = unsafe { libc::fork() };
         if pid < 0 {
             return Err("fork failed".into());
         }
         if pid == 0 {
+            let fork =
+                |r: arx::Result<()>| matches!(&r, Err(Error::Proxy(m)) if m.contains("fork"));
             let input = verify::input::<f32>(SEED, 77, 0, n);
             let mut out = vec![0f32; n];
-            let r = arx.allreduce_host(&input, &mut out);
-            let refused = matches!(&r, Err(Error::Proxy(m)) if m.contains("fork"));
+            // Each refused as a fork (bit k of the exit status if not):
+            // a call, the barrier (MPI), check and async_error, the
+            // trace (a lock the parent's proxy may have held).
+            let mut bad = 0;
+            bad |= i32::from(!fork(arx.allreduce_host(&input, &mut out)));
+            bad |= i32::from(!fork(arx.barrier())) << 1;
+            bad |= i32::from(!fork(arx.check())) << 2;
+            bad |= i32::from(!fork(arx.async_error())) << 3;
+            bad |= i32::from(arx.last_stages().seq != 0) << 4;
             drop(arx);
             // SAFETY: leaves the child at once (no destructors, no MPI).
-            unsafe { libc::_exit(if refused { 0 } else { 1 }) };
+            unsafe { libc::_exit(bad) };
         }
         let mut status = 0;
         // SAFETY: waits for our own child.
@@ -438,7 +454,8 @@ pub(super) fn forked_child(ctx: &Ctx) -> Result<(), String> {
         }
         if !libc::WIFEXITED(status) || libc::WEXITSTATUS(status) != 0 {
             return Err(format!(
-                "the forked child's call was not refused naming the fork (status {status})"
+                "the forked child's calls were not all refused naming the fork (status \
+                 {status}; exit bits: 1 call, 2 barrier, 4 check, 8 async_error, 16 trace)"
             ));
         }
     }

@@ -298,7 +298,7 @@ fn child() -> ExitCode {
         ("timeouts out of range are refused", timeouts_out_of_range),
         ("start-up slower than the call timeout", slow_start_up),
         ("one rank stops calling", rank_stops),
-        ("a forked child's call is refused", forked_child),
+        ("a forked child's calls, barrier, check and trace are refused", forked_child),
         (
             "a late rank at start-up; the others retry at once",
             retry_immediately,
