@@ -90,6 +90,7 @@ pub struct CallDesc {
 
 /// The step a call was, as its flag word announces it (`ARX_PATTERN_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Pattern {
     /// Every peer got the whole partial: a one-shot all-reduce.
     #[default]
