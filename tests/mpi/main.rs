@@ -238,6 +238,10 @@ fn child() -> ExitCode {
         ("burst of mixed sizes and dtypes", burst),
         ("two instances side by side", two_instances),
         (
+            "instances on split communicators (tp and dp groups), interleaved",
+            split_instances,
+        ),
+        (
             "stage trace: every stage, adding up to the call",
             stage_trace,
         ),
@@ -642,6 +646,44 @@ fn burst(ctx: &Ctx) -> Result<(), String> {
                 in_place,
             )?,
         }
+    }
+    Ok(())
+}
+
+/// Instances on sub-communicators, as a tensor-parallel + data-parallel
+/// job makes them: "tp" groups of two consecutive ranks and "dp" groups of
+/// ranks of one parity (with an odd world, a group of one), each rank in
+/// one of each, the calls interleaved (the dp instance's bf16 calls
+/// chunked). Every group's inputs differ (the call number holds the
+/// group), so a call that saw another group's slots or segment is wrong;
+/// each result is checked against the reference and across its group.
+fn split_instances(ctx: &Ctx) -> Result<(), String> {
+    use mpi::topology::Color;
+    let (tg, dg) = (ctx.rank / 2, ctx.rank % 2);
+    let split = |color: usize, what: &str| {
+        ctx.world
+            .split_by_color(Color::with_value(color as i32))
+            .ok_or_else(|| format!("MPI_Comm_split ({what}) gave no communicator"))
+    };
+    let (tp, dp) = (split(tg, "tp")?, split(dg, "dp")?);
+    let sub = |c| Ctx {
+        world: c,
+        rank: c.rank() as usize,
+        n: c.size() as usize,
+    };
+    let (tctx, dctx) = (sub(&tp), sub(&dp));
+    let mut t = builder().build(&tp).map_err(|e| format!("tp: {e}"))?;
+    let mut d = builder()
+        .slot_bytes(8192)
+        .build(&dp)
+        .map_err(|e| format!("dp: {e}"))?;
+    for k in 0..8u64 {
+        let (tc, dc) = (0x5000 + 100 * tg as u64 + k, 0x6000 + 100 * dg as u64 + k);
+        checked::<f32>(&tctx, &mut t, tc, 3000 + k as usize, false)
+            .map_err(|e| format!("tp: {e}"))?;
+        checked::<bf16>(&dctx, &mut d, dc, 2 * 4096 + 3, k % 2 == 0)
+            .map_err(|e| format!("dp: {e}"))?;
+        checked::<f16>(&tctx, &mut t, tc + 50, 17, true).map_err(|e| format!("tp: {e}"))?;
     }
     Ok(())
 }
