@@ -48,6 +48,36 @@ pub(crate) fn forked(born: u64) -> bool {
     FORKS.load(Ordering::Relaxed) != born
 }
 
+/// The fork generation an instance was made under, copied out of it
+/// ([`crate::Arx::fork_stamp`]) so that a binding can tell a forked child
+/// without reaching the instance: the instance may sit behind a lock that
+/// a thread of the parent held at the fork, which no thread of the child
+/// will ever release.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkStamp(pub(crate) u64);
+
+impl ForkStamp {
+    /// Whether this process is a fork of the one that made the instance.
+    pub fn forked(&self) -> bool {
+        forked(self.0)
+    }
+
+    /// The error every call of the instance returns in a forked child
+    /// (`Ok` in the process that made it).
+    pub fn check(&self) -> crate::Result<()> {
+        if self.forked() {
+            return Err(crate::Error::Proxy(format!(
+                "this process (pid {}) is a fork of the one that made the instance: the \
+                 proxy thread, GPU context and MPI state stay with the parent; make \
+                 instances in the child itself",
+                std::process::id()
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,5 +106,34 @@ mod tests {
             "the child did not see the fork"
         );
         assert!(!forked(born), "the parent must not count its child's fork");
+    }
+
+    #[test]
+    fn a_stamp_refuses_in_a_forked_child_only() {
+        let stamp = ForkStamp(generation());
+        assert!(stamp.check().is_ok());
+        // SAFETY: the child only reads an atomic, formats a string and
+        // calls _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let code = match stamp.check() {
+                Err(crate::Error::Proxy(m)) if m.contains("is a fork") => 0,
+                _ => 1,
+            };
+            // SAFETY: as in the test above.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        let w = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(w, pid);
+        assert!(libc::WIFEXITED(status), "child status {status}");
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the stamp passed in the child"
+        );
+        assert!(stamp.check().is_ok());
     }
 }

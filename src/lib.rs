@@ -315,6 +315,8 @@ pub use config::{
 pub use device::platform::{GpuAttrs, GpuPlatform, RegionAlloc};
 pub use dtype::{CallDesc, CallKind, Dtype, Element, Pattern};
 pub use error::{Error, Result};
+#[doc(hidden)]
+pub use fork::ForkStamp;
 pub use layout::Layout;
 pub use op::Op;
 pub use probe::{Bandwidth, Latency, ProbeOptions, RailProbe};
@@ -501,6 +503,15 @@ impl Arx {
     #[doc(hidden)]
     pub fn fork_check(&self) -> Result<()> {
         self.device.fork_guard()
+    }
+
+    /// The instance's fork stamp, for bindings that keep the instance
+    /// behind a lock: a forked child's copy of a lock a parent thread held
+    /// inside a call stays held, and the stamp tells that child the fork's
+    /// error instead of "another thread is inside a call".
+    #[doc(hidden)]
+    pub fn fork_stamp(&self) -> ForkStamp {
+        self.device.fork_stamp()
     }
 
     /// [`Arx::check`] without waiting for the GPU: the first error of this

@@ -5,7 +5,7 @@ use std::ffi::{c_char, c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, TryLockError};
 
-use arx::Arx;
+use arx::{Arx, ForkStamp};
 
 use crate::error::{c_string, guard, Failure};
 use crate::types::{arxComm_t, RawResult};
@@ -23,6 +23,10 @@ pub struct arxComm {
     rank: c_int,
     count: c_int,
     gpu: bool,
+    /// The fork generation the instance was made under: a forked child's
+    /// copy of `state` may be locked for good (a parent thread was inside
+    /// a call at the fork), so the child learns of the fork from here.
+    stamp: ForkStamp,
     // The lock is only ever tried: a second thread inside a call on the
     // same comm is refused rather than made to wait (collective calls must
     // be made in one order on every rank; two threads racing for one comm
@@ -50,7 +54,9 @@ impl arxComm {
     /// A new communicator handle owning `arx`.
     pub(crate) fn create(arx: Arx) -> arxComm_t {
         let gpu = arx.cuda_context().is_some();
+        let stamp = arx.fork_stamp();
         let c = arxComm {
+            stamp,
             magic: LIVE,
             rank: arx.rank() as c_int,
             count: arx.world() as c_int,
@@ -96,6 +102,37 @@ pub(crate) unsafe fn comm_ref<'a>(comm: arxComm_t) -> Result<&'a arxComm, Failur
     }
 }
 
+/// Why `c` is locked: another thread is inside a call on it, or, in a
+/// forked child, a thread of the parent was at the fork (that lock is
+/// never released in the child: the fork's error, as every call there
+/// gets).
+fn busy(c: &arxComm) -> Failure {
+    match c.stamp.check() {
+        Err(e) => Failure::from(e),
+        Ok(()) => Failure::usage(
+            "another thread is inside a call on this comm (use a comm from one thread at a time)",
+        ),
+    }
+}
+
+/// A forked child's copy of a comm that a parent thread was inside at the
+/// fork: its lock stays held, so its calls and its own error go through
+/// here. The fork's failure, or None when `comm` is not such a copy.
+///
+/// # Safety
+/// As [`comm_ref`].
+pub(crate) unsafe fn forked_and_held(comm: arxComm_t) -> Option<Failure> {
+    // SAFETY: the caller's contract.
+    let c = unsafe { comm_ref(comm) }.ok()?;
+    if !c.stamp.forked() {
+        return None;
+    }
+    match c.state.try_lock() {
+        Err(TryLockError::WouldBlock) => Some(busy(c)),
+        _ => None,
+    }
+}
+
 /// Runs entry point `name` on `comm`'s instance: refused while another
 /// thread is inside a call on it; a failure is recorded as the comm's last
 /// error as well as the thread's.
@@ -112,11 +149,7 @@ pub(crate) unsafe fn with_comm(
         let c = unsafe { comm_ref(comm)? };
         let mut st = match c.state.try_lock() {
             Ok(g) => g,
-            Err(TryLockError::WouldBlock) => {
-                return Err(Failure::usage(
-                    "another thread is inside a call on this comm (use a comm from one thread at a time)",
-                ))
-            }
+            Err(TryLockError::WouldBlock) => return Err(busy(c)),
             // Never poisoned: panics are caught below, inside the lock.
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
         };
@@ -156,6 +189,12 @@ pub(crate) unsafe fn last_error(comm: arxComm_t) -> *const c_char {
         // validity) or freed by arxCommDestroy.
         Ok(st) => st.last_error.as_ptr(),
         Err(TryLockError::Poisoned(p)) => p.into_inner().last_error.as_ptr(),
+        Err(TryLockError::WouldBlock) if c.stamp.forked() => {
+            c"arxGetLastError: this process is a fork of the one that made the comm, \
+              and a thread of that process was inside a call on it at the fork: make \
+              comms in the child itself"
+                .as_ptr()
+        }
         Err(TryLockError::WouldBlock) => {
             c"arxGetLastError: another thread is inside a call on this comm".as_ptr()
         }
@@ -164,7 +203,11 @@ pub(crate) unsafe fn last_error(comm: arxComm_t) -> *const c_char {
 
 /// `arxCommDestroy`: frees the communicator (the instance closes: it
 /// waits for its GPU work, stops its proxy and, over RDMA, closes with its
-/// peers, bounded by the call timeout).
+/// peers, bounded by the call timeout). In a forked child it frees
+/// nothing the parent uses (arx's drop abandons the proxy, GPU and MPI
+/// parts); a copy that a parent thread was inside at the fork is only
+/// marked destroyed, not freed: its lock is held for good and its
+/// instance may be half-way through that call.
 ///
 /// # Safety
 /// As [`comm_ref`]; no other thread uses `comm` during or after the call.
@@ -175,10 +218,19 @@ pub(crate) unsafe fn destroy(comm: arxComm_t) -> RawResult {
         {
             // SAFETY: checked live just above.
             let c = unsafe { &*comm };
-            if let Err(TryLockError::WouldBlock) = c.state.try_lock() {
+            let held = matches!(c.state.try_lock(), Err(TryLockError::WouldBlock));
+            if held && !c.stamp.forked() {
                 return Err(Failure::usage(
                     "another thread is inside a call on this comm: it cannot be destroyed now",
                 ));
+            }
+            if held {
+                // SAFETY: live (checked); in a forked child only this
+                // thread runs, and `c` is not used after this write. The
+                // memory is the child's copy, reclaimed when it exits or
+                // execs.
+                unsafe { (*comm).magic = DEAD };
+                return Ok(());
             }
         }
         // SAFETY: `comm` came from Box::into_raw in `create` and is live;

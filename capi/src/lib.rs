@@ -224,6 +224,18 @@ pub unsafe extern "C" fn arxCommGetAsyncError(
     asyncError: *mut RawResult,
 ) -> RawResult {
     let name = "arxCommGetAsyncError";
+    // SAFETY: `comm` is NULL or live (the caller's contract).
+    if let Some(f) = unsafe { comm::forked_and_held(comm) } {
+        // The fork is the comm's error here, as in a child whose copy is
+        // not held (its message is then `arxGetLastError(comm)`'s).
+        if asyncError.is_null() {
+            return guard(name, || Err(Failure::invalid("asyncError is NULL")));
+        }
+        crate::error::set_thread_error(&format!("{name}: {}", f.message));
+        // SAFETY: non-NULL (checked) and writable (the caller's contract).
+        unsafe { asyncError.write(f.code as RawResult) };
+        return arxResult_t::arxSuccess as RawResult;
+    }
     let mut found = arxResult_t::arxSuccess as RawResult;
     let f = |_: &arxComm, st: &mut comm::State| {
         if asyncError.is_null() {

@@ -5,9 +5,11 @@
 //! (arx itself never panics), and every failure is an `arx.Error` subclass
 //! (see `errors.rs`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::thread::ThreadId;
 
-use arx::{Arx, Dtype, Error};
+use arx::{Arx, Dtype, Error, ForkStamp};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -27,16 +29,27 @@ struct Instance(Arx);
 // that MPI's thread level allows. Calls (`allreduce_*`, `describe`,
 // `refuse_call`) make no MPI call; dropping makes MPI calls and is only done
 // on the creating thread unless MPI provides MPI_THREAD_MULTIPLE (see
-// `Comm::drop_instance`). `Sync`: the instance is only reached through
-// `&mut` borrows that PyO3's borrow flag makes exclusive.
+// `Comm::drop`). `Sync`: the instance is only reached through the
+// `Comm`'s lock, which makes access exclusive.
 unsafe impl Send for Instance {}
 // SAFETY: see `Send` above; no `&Instance` is ever shared between threads.
 unsafe impl Sync for Instance {}
 
 /// One arx instance (`arx.Comm` wraps it).
-#[pyclass(module = "arx._arx", name = "_Comm")]
+#[pyclass(module = "arx._arx", name = "_Comm", frozen)]
 struct Comm {
-    inst: Option<Instance>,
+    /// The instance (None once closed). The lock is only ever tried: a
+    /// second thread inside a call of the same Comm is refused rather than
+    /// made to wait (collective calls must be made in one order on every
+    /// rank).
+    inst: Mutex<Option<Instance>>,
+    /// The fork generation the instance was made under: a forked child's
+    /// copy of `inst` stays locked for good when a parent thread was inside
+    /// a call at the fork, and the child learns of the fork from here.
+    stamp: ForkStamp,
+    /// Closed in a forked child whose copy was locked that way (nothing
+    /// freed).
+    abandoned: AtomicBool,
     rank: usize,
     size: usize,
     owner: ThreadId,
@@ -106,12 +119,12 @@ fn thread_multiple() -> bool {
     rc == 0 && provided == unsafe { mpi::ffi::RSMPI_THREAD_MULTIPLE }
 }
 
-impl Comm {
-    /// The instance for a call, or why there is none.
-    fn instance(&mut self) -> Result<&mut Arx, Usage> {
-        self.inst.as_mut().map(|i| &mut i.0).ok_or(Usage::Closed)
-    }
+/// The instance for a call, or why there is none.
+fn instance(inst: &mut Option<Instance>) -> Result<&mut Arx, Usage> {
+    inst.as_mut().map(|i| &mut i.0).ok_or(Usage::Closed)
+}
 
+impl Comm {
     /// Whether this thread may make MPI calls on the instance (its drop):
     /// the creating thread, or any thread under MPI_THREAD_MULTIPLE.
     fn may_call_mpi(&self) -> bool {
@@ -121,7 +134,20 @@ impl Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        if let Some(inst) = self.inst.take() {
+        let held = matches!(self.inst.try_lock(), Err(TryLockError::WouldBlock));
+        let inst = match self.inst.get_mut() {
+            Ok(i) => i.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if held {
+            // Only in a forked child: a parent thread was inside a call at
+            // the fork (the call's own reference keeps a Comm alive in the
+            // process it runs in). The instance may be half-way through
+            // that call: nothing of it is touched.
+            std::mem::forget(inst);
+            return;
+        }
+        if let Some(inst) = inst {
             if self.may_call_mpi() {
                 drop(inst);
             } else {
@@ -138,9 +164,26 @@ impl Drop for Comm {
     }
 }
 
-/// Borrows the `Comm` for a call, or says why it cannot be.
-fn borrow<'py>(py: Python<'py>, slf: &Bound<'py, Comm>) -> PyResult<PyRefMut<'py, Comm>> {
-    slf.try_borrow_mut().map_err(|_| usage_err(py, Usage::Busy))
+/// Takes the `Comm`'s instance for a call, or says why it cannot: another
+/// thread is inside a call; or, in a forked child whose copy a parent
+/// thread held at the fork, the fork's error (as every call in a child
+/// gets), or closed once the child closed that copy.
+fn lock<'a>(py: Python<'_>, me: &'a Comm) -> PyResult<MutexGuard<'a, Option<Instance>>> {
+    match me.inst.try_lock() {
+        Ok(g) => Ok(g),
+        // Never poisoned: no call panics (and a poisoned instance is
+        // whole: the panic would have been outside arx's own code).
+        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+        Err(TryLockError::WouldBlock) => {
+            if me.abandoned.load(Ordering::Relaxed) {
+                return Err(usage_err(py, Usage::Closed));
+            }
+            match me.stamp.check() {
+                Err(e) => Err(arx_err(py, e)),
+                Ok(()) => Err(usage_err(py, Usage::Busy)),
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -187,14 +230,17 @@ impl Comm {
         let inst = built.map_err(|e| arx_err(py, e))?;
         let d = inst.0.describe();
         let cuda_device = inst.0.cuda_context().map(|c| c.ordinal());
+        let stamp = inst.0.fork_stamp();
         Ok(Comm {
+            stamp,
+            abandoned: AtomicBool::new(false),
             rank: d.rank,
             size: d.world,
             device: d.device,
             cuda_device,
             owner: std::thread::current().id(),
             thread_multiple: thread_multiple(),
-            inst: Some(inst),
+            inst: Mutex::new(Some(inst)),
         })
     }
 
@@ -225,14 +271,20 @@ impl Comm {
     /// Whether `close` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.inst.is_none()
+        match self.inst.try_lock() {
+            Ok(g) => g.is_none(),
+            Err(TryLockError::Poisoned(p)) => p.into_inner().is_none(),
+            // A call is running (or, in a forked child, ran at the fork).
+            Err(TryLockError::WouldBlock) => self.abandoned.load(Ordering::Relaxed),
+        }
     }
 
     /// What the instance is made of.
     fn describe<'py>(slf: &Bound<'py, Self>, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let mut me = borrow(py, slf)?;
+        let me = slf.get();
         let cuda_device = me.cuda_device;
-        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let mut g = lock(py, me)?;
+        let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
         let d = arx.describe();
         let c = arx.config();
         let out = PyDict::new(py);
@@ -260,10 +312,17 @@ impl Comm {
     }
 
     /// Collective (a barrier with the Verbs fabric): frees the instance.
-    /// Closing a closed Comm does nothing.
+    /// Closing a closed Comm does nothing. In a forked child it frees
+    /// nothing the parent uses, and a copy that a parent thread was inside
+    /// at the fork is only marked closed.
     fn close(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        if me.inst.is_none() {
+        let me = slf.get();
+        if me.stamp.forked() && matches!(me.inst.try_lock(), Err(TryLockError::WouldBlock)) {
+            me.abandoned.store(true, Ordering::Relaxed);
+            return Ok(());
+        }
+        let mut g = lock(py, me)?;
+        if g.is_none() {
             return Ok(());
         }
         if !me.may_call_mpi() {
@@ -276,7 +335,7 @@ impl Comm {
                 ),
             ));
         }
-        let inst = me.inst.take();
+        let inst = g.take();
         // Dropping waits for the GPU and, with Verbs, for the peers.
         py.detach(move || drop(inst));
         Ok(())
@@ -512,8 +571,8 @@ impl Comm {
         message: String,
         unsupported: bool,
     ) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        let arx = me.instance().map_err(|u| usage_err(py, u))?;
+        let mut g = lock(py, slf.get())?;
+        let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
         let e = arx.refuse_call(count, Error::InvalidArgument(message.clone()));
         match e {
             Error::InvalidArgument(m) if unsupported && m == message => {
@@ -526,8 +585,8 @@ impl Comm {
     /// Waits for this instance's GPU work and raises the first error the
     /// instance recorded, if any.
     fn check(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
-        let mut me = borrow(py, slf)?;
-        let arx = SendArx(me.instance().map_err(|u| usage_err(py, u))?);
+        let mut g = lock(py, slf.get())?;
+        let arx = SendArx(instance(&mut g).map_err(|u| usage_err(py, u))?);
         py.detach(move || {
             let arx = arx;
             arx.0.check()
@@ -595,8 +654,8 @@ fn checked_call<H, C: Send>(
     check: impl FnOnce(&Arx) -> arx::Result<(H, C)>,
     run: impl FnOnce(&mut Arx, C) -> arx::Result<()> + Send,
 ) -> PyResult<()> {
-    let mut me = borrow(py, slf)?;
-    let arx = me.instance().map_err(|u| usage_err(py, u))?;
+    let mut g = lock(py, slf.get())?;
+    let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
     // In a forked child, before `check` asks CUDA about the buffers.
     arx.fork_check().map_err(|e| arx_err(py, e))?;
     let (held, call) = match check(arx) {

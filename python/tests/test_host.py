@@ -435,6 +435,116 @@ def calls_release_the_gil_and_work_from_threads():
         check("error" not in res, f"call from a thread raised {res.get('error')!r}")
 
 
+def _child_uses(comm, held):
+    """In a forked child: every use of the parent's Comm. Returns the
+    failed checks as bits (the child's exit status); makes no MPI call."""
+    bits = 0
+
+    def raised(fn, cls, word):
+        try:
+            fn()
+        except cls as e:
+            return word in str(e)
+        except BaseException:  # noqa: BLE001 - any other outcome is a failure
+            return False
+        return False
+
+    x = np.arange(8, dtype=np.float32)
+    if not raised(lambda: comm.allreduce(x), arx.ProxyError, "fork"):
+        bits |= 1
+    if not raised(comm.check, arx.ProxyError, "fork"):
+        bits |= 2
+    if held and not raised(comm.describe, arx.ProxyError, "fork"):
+        bits |= 4
+    try:
+        comm.close()
+    except BaseException:  # noqa: BLE001
+        bits |= 8
+    if not comm.closed:
+        bits |= 16
+    if not raised(lambda: comm.allreduce(x), arx.ClosedError, "closed"):
+        bits |= 32
+    return bits
+
+
+def _fork_and_check(comm, held):
+    """Rank 0 only: forks; the child checks its copy of `comm`."""
+    import os
+    import warnings
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        # Python warns that forking a threaded process may deadlock the
+        # child: the child here takes no lock a parent thread may hold.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 64
+        try:
+            code = _child_uses(comm, held)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    check(os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0,
+          f"forked child (held {held}): status {status:#x} (exit bits: 1 call, 2 check, "
+          "4 describe, 8 close, 16 closed, 32 call after close)")
+
+
+@case
+def forked_children_get_the_fork_error():
+    """A child forked from rank 0 while its Comm is idle, and one forked
+    while another thread is inside a call on it: every use raises
+    ProxyError naming the fork (not "another thread is inside a call",
+    which the child cannot cure: that thread is not in the child), close()
+    works and frees nothing of the parent's; the parent's calls before,
+    during and after are checked."""
+    with arx.Comm(WORLD, timeout=FAIL_TIMEOUT) as comm:
+        call_and_check(comm, 60, 333, "float32", False, "before the forks")
+        if RANK == 0:
+            _fork_and_check(comm, False)
+        res = {}
+
+        def work():
+            try:
+                while True:
+                    try:
+                        res["want"] = call_and_check(comm, 61, 4099, "float32", False, "during a fork")
+                        return
+                    except arx.InvalidUsageError as e:
+                        # The main thread's describe() polls took the Comm
+                        # for a moment: the call changed nothing; again.
+                        if "another thread" not in str(e):
+                            raise
+            except Exception as e:  # noqa: BLE001
+                res["error"] = e
+
+        t = threading.Thread(target=work)
+        if RANK == 0:
+            t.start()
+            inside = False
+            for _ in range(10000):
+                try:
+                    comm.describe()
+                except arx.InvalidUsageError:
+                    inside = True
+                    break
+                time.sleep(0.001)
+            check(inside, "the thread never entered its call")
+            if inside:
+                _fork_and_check(comm, True)
+            for p in range(1, SIZE):
+                WORLD.send(1, dest=p, tag=61)
+            t.join()
+        else:
+            WORLD.recv(source=0, tag=61)
+            t.start()
+            t.join()
+        check("error" not in res, f"call during the fork raised {res.get('error')!r}")
+        for k in range(3):
+            call_and_check(comm, 62 + k, 1000 + k, "bfloat16", k % 2 == 0, "after the forks")
+
+
 class FakeCudaArray:
     """An object with a __cuda_array_interface__ (no GPU needed: the
     checks and the host instance's refusal come before any CUDA call)."""

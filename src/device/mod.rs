@@ -53,7 +53,7 @@ pub(crate) struct Device {
     /// leaves the ranks out of step).
     failed: Option<Error>,
     /// The process's fork count when the instance was made (src/fork.rs).
-    born: u64,
+    born: crate::fork::ForkStamp,
 }
 
 impl Device {
@@ -74,28 +74,25 @@ impl Device {
             link,
             seq: 0,
             failed: None,
-            born: crate::fork::generation(),
+            born: crate::fork::ForkStamp(crate::fork::generation()),
         }
     }
 
     /// Whether this process is a fork of the one that made the instance.
     pub(crate) fn forked(&self) -> bool {
-        crate::fork::forked(self.born)
+        self.born.forked()
+    }
+
+    /// The instance's fork stamp.
+    pub(crate) fn fork_stamp(&self) -> crate::fork::ForkStamp {
+        self.born
     }
 
     /// The error of every call in a forked child (src/fork.rs), before it
     /// touches MPI, CUDA, the region or a lock the parent's threads may
     /// have held at the fork.
     pub(crate) fn fork_guard(&self) -> Result<()> {
-        if self.forked() {
-            return Err(Error::Proxy(format!(
-                "this process (pid {}) is a fork of the one that made the instance: the \
-                 proxy thread, GPU context and MPI state stay with the parent; make \
-                 instances in the child itself",
-                std::process::id()
-            )));
-        }
-        Ok(())
+        self.born.check()
     }
 
     /// In a forked child: forgets the GPU side (its context is the
