@@ -227,11 +227,11 @@ pub unsafe extern "C" fn arxCommGetAsyncError(
     // SAFETY: `comm` is NULL or live (the caller's contract).
     if let Some(f) = unsafe { comm::forked_and_held(comm) } {
         // The fork is the comm's error here, as in a child whose copy is
-        // not held (its message is then `arxGetLastError(comm)`'s).
+        // not held; `arxGetLastError(comm)` names it. (A successful call
+        // leaves the thread's last error alone.)
         if asyncError.is_null() {
             return guard(name, || Err(Failure::invalid("asyncError is NULL")));
         }
-        crate::error::set_thread_error(&format!("{name}: {}", f.message));
         // SAFETY: non-NULL (checked) and writable (the caller's contract).
         unsafe { asyncError.write(f.code as RawResult) };
         return arxResult_t::arxSuccess as RawResult;

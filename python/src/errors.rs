@@ -13,6 +13,8 @@ pub(crate) enum Usage {
     Closed,
     /// Another thread is inside a call of the same `Comm`.
     Busy,
+    /// An earlier call panicked (a bug in arx).
+    Broken,
     /// Not allowed on this thread (MPI's thread level).
     Thread(String),
     /// A call this build cannot make (the message says which).
@@ -89,6 +91,12 @@ pub(crate) fn usage_err(py: Python<'_>, u: Usage) -> PyErr {
         Usage::Busy => (
             "InvalidUsageError",
             "another thread is inside a call of this arx.Comm: calls of one Comm must not overlap"
+                .to_string(),
+        ),
+        Usage::Broken => (
+            "Error",
+            "an earlier call of this arx.Comm panicked (a bug in arx; please report it): the \
+             instance may be half-way through a change and is not used again; close this Comm"
                 .to_string(),
         ),
         Usage::Thread(m) => ("InvalidUsageError", m),

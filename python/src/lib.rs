@@ -164,25 +164,28 @@ impl Drop for Comm {
     }
 }
 
-/// Takes the `Comm`'s instance for a call, or says why it cannot: another
-/// thread is inside a call; or, in a forked child whose copy a parent
-/// thread held at the fork, the fork's error (as every call in a child
-/// gets), or closed once the child closed that copy.
-fn lock<'a>(py: Python<'_>, me: &'a Comm) -> PyResult<MutexGuard<'a, Option<Instance>>> {
+/// Takes the `Comm`'s instance for a call, or says why it cannot: closed
+/// in a forked child (`abandoned`); another thread is inside a call; in a
+/// forked child whose copy a thread held at the fork, the fork's error (as
+/// every call in a child gets); or an earlier call panicked (a bug: the
+/// instance may be half-way through a change, so it is not used again;
+/// `closing` takes it all the same, to free it).
+fn lock<'a>(
+    py: Python<'_>,
+    me: &'a Comm,
+    closing: bool,
+) -> PyResult<MutexGuard<'a, Option<Instance>>> {
+    if me.abandoned.load(Ordering::Relaxed) {
+        return Err(usage_err(py, Usage::Closed));
+    }
     match me.inst.try_lock() {
         Ok(g) => Ok(g),
-        // Never poisoned: no call panics (and a poisoned instance is
-        // whole: the panic would have been outside arx's own code).
-        Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-        Err(TryLockError::WouldBlock) => {
-            if me.abandoned.load(Ordering::Relaxed) {
-                return Err(usage_err(py, Usage::Closed));
-            }
-            match me.stamp.check() {
-                Err(e) => Err(arx_err(py, e)),
-                Ok(()) => Err(usage_err(py, Usage::Busy)),
-            }
-        }
+        Err(TryLockError::Poisoned(p)) if closing => Ok(p.into_inner()),
+        Err(TryLockError::Poisoned(_)) => Err(usage_err(py, Usage::Broken)),
+        Err(TryLockError::WouldBlock) => match me.stamp.check() {
+            Err(e) => Err(arx_err(py, e)),
+            Ok(()) => Err(usage_err(py, Usage::Busy)),
+        },
     }
 }
 
@@ -271,11 +274,14 @@ impl Comm {
     /// Whether `close` was called.
     #[getter]
     fn closed(&self) -> bool {
+        if self.abandoned.load(Ordering::Relaxed) {
+            return true;
+        }
         match self.inst.try_lock() {
             Ok(g) => g.is_none(),
             Err(TryLockError::Poisoned(p)) => p.into_inner().is_none(),
             // A call is running (or, in a forked child, ran at the fork).
-            Err(TryLockError::WouldBlock) => self.abandoned.load(Ordering::Relaxed),
+            Err(TryLockError::WouldBlock) => false,
         }
     }
 
@@ -283,7 +289,7 @@ impl Comm {
     fn describe<'py>(slf: &Bound<'py, Self>, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let me = slf.get();
         let cuda_device = me.cuda_device;
-        let mut g = lock(py, me)?;
+        let mut g = lock(py, me, false)?;
         let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
         let d = arx.describe();
         let c = arx.config();
@@ -318,10 +324,13 @@ impl Comm {
     fn close(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
         let me = slf.get();
         if me.stamp.forked() && matches!(me.inst.try_lock(), Err(TryLockError::WouldBlock)) {
+            // Held by a thread of the parent at the fork, or by one of the
+            // child's threads in a call that fails with the fork's error:
+            // either way marked closed, nothing freed.
             me.abandoned.store(true, Ordering::Relaxed);
             return Ok(());
         }
-        let mut g = lock(py, me)?;
+        let mut g = lock(py, me, true)?;
         if g.is_none() {
             return Ok(());
         }
@@ -571,7 +580,7 @@ impl Comm {
         message: String,
         unsupported: bool,
     ) -> PyResult<()> {
-        let mut g = lock(py, slf.get())?;
+        let mut g = lock(py, slf.get(), false)?;
         let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
         let e = arx.refuse_call(count, Error::InvalidArgument(message.clone()));
         match e {
@@ -585,7 +594,7 @@ impl Comm {
     /// Waits for this instance's GPU work and raises the first error the
     /// instance recorded, if any.
     fn check(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
-        let mut g = lock(py, slf.get())?;
+        let mut g = lock(py, slf.get(), false)?;
         let arx = SendArx(instance(&mut g).map_err(|u| usage_err(py, u))?);
         py.detach(move || {
             let arx = arx;
@@ -654,7 +663,7 @@ fn checked_call<H, C: Send>(
     check: impl FnOnce(&Arx) -> arx::Result<(H, C)>,
     run: impl FnOnce(&mut Arx, C) -> arx::Result<()> + Send,
 ) -> PyResult<()> {
-    let mut g = lock(py, slf.get())?;
+    let mut g = lock(py, slf.get(), false)?;
     let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
     // In a forked child, before `check` asks CUDA about the buffers.
     arx.fork_check().map_err(|e| arx_err(py, e))?;

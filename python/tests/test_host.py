@@ -456,10 +456,26 @@ def _child_uses(comm, held):
         bits |= 2
     if held and not raised(comm.describe, arx.ProxyError, "fork"):
         bits |= 4
+    # close() while a thread of the child is inside a (failing) call on
+    # the copy: still closed for good once that thread is done.
+    stop = threading.Event()
+
+    def poke():
+        while not stop.is_set():
+            try:
+                comm.check()
+            except arx.Error:
+                pass
+
+    poker = threading.Thread(target=poke)
+    poker.start()
+    time.sleep(0.01)
     try:
         comm.close()
     except BaseException:  # noqa: BLE001
         bits |= 8
+    stop.set()
+    poker.join()
     if not comm.closed:
         bits |= 16
     if not raised(lambda: comm.allreduce(x), arx.ClosedError, "closed"):
