@@ -41,8 +41,9 @@ class MismatchError(Error):
 
 
 class CallMismatchError(MismatchError):
-    """Ranks made different calls (element count or dtype), or a peer
-    refused its call (bad arguments on that rank). ``seq`` is the call
+    """Ranks made different calls (another collective, element count,
+    dtype, op or broadcast root), or a peer refused its call (bad arguments
+    on that rank). ``seq`` is the call
     number, ``peer`` the other rank. Every rank raises it at once."""
 
 
@@ -88,7 +89,9 @@ class CudaError(Error):
 
 
 class KernelError(Error):
-    """The arx GPU kernel recorded a failure (timeout, abort, mismatch)."""
+    """The arx GPU kernel recorded a failure that has no other class (a peer's
+    other call, timeout or failure raise CallMismatchError, TimeoutError,
+    PeerFailedError)."""
 
 
 class ProxyError(Error):
