@@ -10,7 +10,9 @@
  * for the held copy, which is not freed, a second destroy is refused as
  * destroyed). The child reports through its exit status; it makes no MPI
  * call. The parent's calls on the same comm, before and after, are
- * checked against reference.h's sum (independent of arx). */
+ * checked against reference.h's sum (independent of arx); in the parent,
+ * a call, arxCommGetAsyncError and arxCommDestroy made while the thread is
+ * inside its call are refused as arxInvalidUsage. */
 #define _POSIX_C_SOURCE 200809L
 #include <arx.h>
 #include <mpi.h>
@@ -165,7 +167,21 @@ int main(int argc, char **argv) {
             if (!inside) nanosleep(&nap, NULL);
         }
         CHECK(inside, "the thread never entered its call");
-        if (inside) fork_and_check(1);
+        if (inside) {
+            /* In this process the hold is another thread's: refused, and
+             * nothing changes (the thread's call still ends right). */
+            float a[8] = {0}, b[8];
+            arxResult_t async = arxSuccess;
+            r = arxAllReduceHost(a, b, 8, arxFloat32, arxSum, comm);
+            CHECK(r == arxInvalidUsage && strstr(arxGetLastError(NULL), "another thread"),
+                  "an overlapping call: %d: %s", (int)r, arxGetLastError(NULL));
+            r = arxCommGetAsyncError(comm, &async);
+            CHECK(r == arxInvalidUsage, "async error during another thread's call: %d", (int)r);
+            r = arxCommDestroy(comm);
+            CHECK(r == arxInvalidUsage && strstr(arxGetLastError(NULL), "cannot be destroyed"),
+                  "destroy during another thread's call: %d: %s", (int)r, arxGetLastError(NULL));
+            fork_and_check(1);
+        }
         int go = 1;
         for (int p = 1; p < world; p++) MPI_Send(&go, 1, MPI_INT, p, 7, MPI_COMM_WORLD);
         pthread_join(t, NULL);
