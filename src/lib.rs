@@ -200,6 +200,16 @@
 //!   `comm.Allreduce` on a NumPy array, not the lowercase `comm.allreduce`),
 //!   drop the instances that were created, and call [`Arx::new`] on every
 //!   rank.
+//! * Calls are bounded the same way, per rank: a rank that arrives after
+//!   its peers' timeout ran out may still complete that call (the peers'
+//!   partials were there) and return `Ok` with the right result, while the
+//!   peers return [`Error::Timeout`]; its next call fails at once. Treat
+//!   any rank's timeout as the job's.
+//! * Dropping instances is collective with the RDMA fabric (a barrier
+//!   bounded by the call timeout): drop them in the same order on every
+//!   rank, as `MPI_Comm_free`. Another order still frees everything but
+//!   waits up to one timeout per instance, logging that it closed without
+//!   every peer.
 //!
 //! ## GPU buffers
 //!
