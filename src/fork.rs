@@ -82,15 +82,16 @@ impl ForkStamp {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_forked_child_sees_a_new_generation() {
-        let born = generation();
-        assert!(!forked(born));
-        // SAFETY: the child only reads an atomic and calls _exit.
+    /// Runs `child` in a forked child and returns its exit status (the
+    /// child leaves with `_exit`, running nothing else of the parent's).
+    /// `child` must only do what is safe after a fork in a threaded
+    /// process: read atomics, format strings.
+    fn in_child(child: impl FnOnce() -> bool) -> i32 {
+        // SAFETY: the child runs `child` (see above) and calls _exit.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
-            let code = if forked(born) { 0 } else { 1 };
+            let code = if child() { 0 } else { 1 };
             // SAFETY: leaves the child at once, running nothing of the
             // parent's (no destructors, no test harness).
             unsafe { libc::_exit(code) };
@@ -100,8 +101,15 @@ mod tests {
         let w = unsafe { libc::waitpid(pid, &mut status, 0) };
         assert_eq!(w, pid);
         assert!(libc::WIFEXITED(status), "child status {status}");
+        libc::WEXITSTATUS(status)
+    }
+
+    #[test]
+    fn a_forked_child_sees_a_new_generation() {
+        let born = generation();
+        assert!(!forked(born));
         assert_eq!(
-            libc::WEXITSTATUS(status),
+            in_child(|| forked(born)),
             0,
             "the child did not see the fork"
         );
@@ -112,28 +120,9 @@ mod tests {
     fn a_stamp_refuses_in_a_forked_child_only() {
         let stamp = ForkStamp(generation());
         assert!(stamp.check().is_ok());
-        // SAFETY: the child only reads an atomic, formats a string and
-        // calls _exit.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
-            let code = match stamp.check() {
-                Err(crate::Error::Proxy(m)) if m.contains("is a fork") => 0,
-                _ => 1,
-            };
-            // SAFETY: as in the test above.
-            unsafe { libc::_exit(code) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for our own child.
-        let w = unsafe { libc::waitpid(pid, &mut status, 0) };
-        assert_eq!(w, pid);
-        assert!(libc::WIFEXITED(status), "child status {status}");
-        assert_eq!(
-            libc::WEXITSTATUS(status),
-            0,
-            "the stamp passed in the child"
-        );
+        let refused =
+            || matches!(stamp.check(), Err(crate::Error::Proxy(m)) if m.contains("is a fork"));
+        assert_eq!(in_child(refused), 0, "the stamp passed in the child");
         assert!(stamp.check().is_ok());
     }
 }

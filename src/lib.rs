@@ -506,19 +506,12 @@ impl Arx {
         self.device.check()
     }
 
-    /// The error every call of this instance returns in a forked child of
-    /// the process that made it (`Ok` in that process): for bindings that
-    /// look at buffers through CUDA before calling arx, so that a child
-    /// gets the fork's error rather than CUDA's.
-    #[doc(hidden)]
-    pub fn fork_check(&self) -> Result<()> {
-        self.device.fork_guard()
-    }
-
-    /// The instance's fork stamp, for bindings that keep the instance
-    /// behind a lock: a forked child's copy of a lock a parent thread held
-    /// inside a call stays held, and the stamp tells that child the fork's
-    /// error instead of "another thread is inside a call".
+    /// The instance's fork stamp, for bindings: its `check()` is the error
+    /// every call of this instance returns in a forked child (for a binding
+    /// that asks CUDA about buffers before calling arx, so that a child gets
+    /// the fork's error rather than CUDA's), and a binding that keeps the
+    /// instance behind a lock can read it while a forked child's copy of
+    /// that lock stays held for good (a parent thread was inside a call).
     #[doc(hidden)]
     pub fn fork_stamp(&self) -> ForkStamp {
         self.device.fork_stamp()

@@ -663,10 +663,11 @@ fn checked_call<H, C: Send>(
     check: impl FnOnce(&Arx) -> arx::Result<(H, C)>,
     run: impl FnOnce(&mut Arx, C) -> arx::Result<()> + Send,
 ) -> PyResult<()> {
-    let mut g = lock(py, slf.get(), false)?;
+    let me = slf.get();
+    let mut g = lock(py, me, false)?;
     let arx = instance(&mut g).map_err(|u| usage_err(py, u))?;
     // In a forked child, before `check` asks CUDA about the buffers.
-    arx.fork_check().map_err(|e| arx_err(py, e))?;
+    me.stamp.check().map_err(|e| arx_err(py, e))?;
     let (held, call) = match check(arx) {
         Ok(c) => c,
         Err(e) => {
