@@ -128,7 +128,15 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
             let region = Arc::clone(&setup.regions[rank]);
             (
                 region,
-                Box::new(fabric::shm::ShmFabric::new(layout, &setup)),
+                Box::new(boot.agree(
+                    "shm copy threads",
+                    fabric::shm::ShmFabric::new(
+                        layout,
+                        &setup,
+                        cfg.copy_threads(local_ranks),
+                        &cfg,
+                    ),
+                )?),
             )
         }
         _ => {

@@ -413,6 +413,91 @@ pub(crate) unsafe fn post_shm<M: Memory>(
     }
 }
 
+/// One piece of a post split among several copying threads (the Shm
+/// fabric's copy crew, `fabric::shm`): `range` of this rank's
+/// `send[p]` into peer `peer`'s `recv[p][me]`, part of lane `lane`'s
+/// bytes; `unit` numbers the (peer, lane) pair whose flag follows the
+/// last of its pieces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Piece {
+    /// The peer's rank.
+    pub peer: usize,
+    /// The lane whose flag follows.
+    pub lane: usize,
+    /// `peer_index * LANES + lane`, in the order of `peers`.
+    pub unit: usize,
+    /// Bytes of the slot (the same offsets on both sides).
+    pub range: Range<usize>,
+}
+
+/// [`post_shm`]'s work cut into pieces of at most `piece` bytes (at least
+/// one), unit by unit in [`post_shm`]'s order (peers as given, then lanes),
+/// with the number of pieces of every unit. A unit with no bytes (a lane of
+/// an empty or short partial) is one empty piece: its flag still goes.
+pub(crate) fn split_post(
+    me: usize,
+    world: usize,
+    peers: &[usize],
+    bytes: usize,
+    flag: u64,
+    slot: usize,
+    piece: usize,
+) -> (Vec<Piece>, Vec<u32>) {
+    let piece = piece.max(1);
+    let mut pieces = Vec::new();
+    let mut per_unit = Vec::with_capacity(peers.len() * LANES);
+    for (i, &q) in peers.iter().enumerate() {
+        let range = placed_range(flag, world, me, q, bytes, slot);
+        for lane in 0..LANES {
+            let r = lane_part(&range, lane);
+            let unit = i * LANES + lane;
+            let n = r.len().div_ceil(piece).max(1);
+            for k in 0..n {
+                let start = (r.start + k * piece).min(r.end);
+                let end = (start + piece).min(r.end);
+                pieces.push(Piece {
+                    peer: q,
+                    lane,
+                    unit,
+                    range: start..end,
+                });
+            }
+            per_unit.push(n as u32);
+        }
+    }
+    (pieces, per_unit)
+}
+
+/// Step 2 by several threads: copies one [`Piece`] of call `seq` into
+/// `peer`, then, if it was the last piece of its unit to finish (`left`,
+/// the unit's count of unfinished pieces, set to its piece count before any
+/// piece was handed out, reaches 0), stores the unit's flag.
+///
+/// # Safety
+/// [`post_shm`]'s contract, and each piece is copied once.
+pub(crate) unsafe fn post_piece<M: Memory>(
+    mine: &M,
+    me: usize,
+    peer: &M,
+    seq: u64,
+    piece: &Piece,
+    flag: u64,
+    left: &AtomicU32,
+) {
+    let p = parity(seq);
+    // SAFETY: the caller's contract.
+    unsafe { mine.copy_send(p, piece.range.clone(), peer, me) };
+    // AcqRel: Release hands this thread's copy to whichever thread ends the
+    // unit (the decrements form one release sequence); Acquire, when this
+    // is the unit's last piece, takes every other piece's copy, so that the
+    // Release flag store below covers them all. With Relaxed a peer that
+    // acquired the flag could read a piece another thread had not finished.
+    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // Release: as in `post_shm`.
+        peer.flag(p, me, piece.lane).store(flag, Ordering::Release);
+    }
+}
+
 /// What a reader found in one flag (see [`look`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Look {

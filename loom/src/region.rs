@@ -22,8 +22,9 @@ use crate::sync::atomic::{AtomicU32, AtomicU64, Weak};
 /// Bytes of one partial in the model: two 16-byte lane parts
 /// (`ARX_LANE_ALIGN`), so each lane carries one.
 pub(crate) const BYTES: usize = 32;
-/// Granularity of the payload cells: one lane's part.
-const CHUNK: usize = 16;
+/// Granularity of the payload cells: half a lane's part (the copy
+/// crew's model cuts each lane into two pieces).
+const CHUNK: usize = 8;
 const CHUNKS: usize = BYTES / CHUNK;
 
 /// Which of a rank's orderings a model weakens (all strong by default).

@@ -69,6 +69,9 @@ pub(crate) mod atomic {
                 pub(crate) fn store(&self, v: $t, o: Ordering) {
                     self.inner.store(v, self.weak.store(o))
                 }
+                pub(crate) fn fetch_sub(&self, v: $t, o: Ordering) -> $t {
+                    self.inner.fetch_sub(v, self.weak.rmw(o))
+                }
                 pub(crate) fn compare_exchange(
                     &self,
                     current: $t,

@@ -743,3 +743,89 @@ fn weakened_status_store_is_caught() {
         &["another failure's details"],
     );
 }
+
+/// The Shm fabric's copy crew (`fabric::shm`): rank 1's partial is posted
+/// by two threads, in pieces of 8 bytes (two per lane), each lane's pieces
+/// split between the threads, and the last thread to finish a lane's
+/// pieces stores its flag (`protocol::post_piece`). Rank 0 reads each lane
+/// once its flag is there: every byte must be call 1's, whichever thread
+/// copied it. `left_weak`: the count of unfinished pieces is Relaxed.
+fn crew(left_weak: bool) {
+    check(move || {
+        let ranks = ranks(2, Weaken::default());
+        let flag = flag_word(1, DTYPE, COUNT);
+        let want = partial(1, 1);
+        let p = protocol::parity(1);
+        // SAFETY: staged before the threads start.
+        unsafe { ranks[1].write_send(p, 0, &want) };
+        let (pieces, per_unit) = protocol::split_post(1, 2, &[0], BYTES, flag, BYTES, 8);
+        assert_eq!(pieces.len(), 4);
+        assert_eq!(per_unit, vec![2, 2]);
+        let weak = crate::sync::atomic::Weak {
+            loads: left_weak,
+            stores: left_weak,
+        };
+        let left: Arc<Vec<crate::sync::atomic::AtomicU32>> = Arc::new(
+            per_unit
+                .iter()
+                .map(|&n| crate::sync::atomic::AtomicU32::weakened(n, weak))
+                .collect(),
+        );
+        let pieces = Arc::new(pieces);
+        // Thread A copies pieces 0 and 3, thread B pieces 1 and 2: each
+        // lane has one piece from each.
+        let copiers: Vec<_> = [[0usize, 3], [1, 2]]
+            .into_iter()
+            .map(|mine| {
+                let (ranks, pieces, left) =
+                    (Arc::clone(&ranks), Arc::clone(&pieces), Arc::clone(&left));
+                thread::spawn(move || {
+                    for i in mine {
+                        let pc = &pieces[i];
+                        // SAFETY: the partial was staged before; each piece is
+                        // copied once; rank 0 reads only after the flag.
+                        unsafe {
+                            protocol::post_piece(
+                                &ranks[1],
+                                1,
+                                &ranks[0],
+                                1,
+                                pc,
+                                flag,
+                                &left[pc.unit],
+                            )
+                        };
+                    }
+                })
+            })
+            .collect();
+        let m = &ranks[0];
+        for lane in 0..2 {
+            while protocol::look(m, 1, flag, 1, lane) != Look::Arrived {
+                thread::yield_now();
+            }
+            let r = protocol::lane_range(BYTES, lane);
+            let mut got = vec![0u8; r.len()];
+            // SAFETY: the lane's flag was acquired.
+            unsafe { m.read_partial(p, 1, r.start, &mut got) };
+            assert_eq!(got, want[r].to_vec(), "lane {lane}: not call 1's bytes");
+        }
+        for c in copiers {
+            c.join().unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_crew_of_two_posts_one_partial() {
+    crew(false);
+}
+
+#[test]
+fn weakened_piece_count_is_caught() {
+    fails(
+        "a Relaxed count of unfinished pieces",
+        || crew(true),
+        &[RACE],
+    );
+}

@@ -229,6 +229,10 @@ pub const MAX_GPU_UNROLL: u32 = 64;
 /// polls is already about a second of a core; beyond that, hot spinning is
 /// no longer a latency choice (use `ARX_SPIN=hot` to never yield).
 pub const MAX_SPIN_HOT: u32 = 10_000_000;
+/// Most copy threads beside each rank's proxy on the Shm fabric
+/// (`ARX_SHM_COPY_THREADS`): past a few, a copy is bound by memory
+/// bandwidth, not by threads (the default is at most 3).
+pub const MAX_SHM_COPY_THREADS: u32 = 15;
 
 /// Resolved settings of one instance.
 #[derive(Debug, Clone)]
@@ -255,6 +259,10 @@ pub struct Config {
     /// (few when the node's ranks and proxies outnumber its cores, many
     /// otherwise).
     pub spin_hot: Option<u32>,
+    /// Threads that copy beside the proxy on the Shm fabric, for posts of
+    /// 64 KiB and more (`ARX_SHM_COPY_THREADS`). Unset: chosen at start-up
+    /// from the cores each rank of the node has.
+    pub shm_copy_threads: Option<u32>,
     /// GPU send-slot staging (`ARX_STAGING`).
     pub staging: Staging,
     /// All-reduce algorithm (`ARX_ALGO`): every rank must choose alike
@@ -312,6 +320,12 @@ pub(crate) struct Overrides {
     pub sum_delay: Option<Duration>,
     /// `Config::settle` (unit tests only).
     pub settle: Option<Duration>,
+}
+
+/// [`Config::copy_threads`]'s default for `cores` usable cores and
+/// `local_ranks` ranks on the node.
+pub(crate) fn default_copy_threads(cores: usize, local_ranks: usize) -> usize {
+    (cores / local_ranks.max(1) / 2).saturating_sub(1).min(3)
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -475,6 +489,19 @@ impl Config {
         }
     }
 
+    /// Copy threads beside the proxy on the Shm fabric, given how many
+    /// ranks share this node: as set, or half of this rank's share of the
+    /// cores it may run on, less one, at most 3 (none where a rank has
+    /// fewer than four cores of its own: the caller and the proxy already
+    /// spin on two).
+    pub(crate) fn copy_threads(&self, local_ranks: usize) -> usize {
+        if let Some(n) = self.shm_copy_threads {
+            return n as usize;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        default_copy_threads(cores, local_ranks)
+    }
+
     /// The settings from the `ARX_*` environment and defaults, as
     /// [`crate::Arx::new`] resolves them (for tools such as `doctor`).
     pub fn from_env() -> Result<Self> {
@@ -550,6 +577,14 @@ impl Config {
             "ARX_SPIN_HOT",
             number::<u32>("ARX_SPIN_HOT"),
             |n, v| check_range(n, v, 0, MAX_SPIN_HOT),
+        )?;
+        let shm_copy_threads = knob(
+            &get,
+            None,
+            "",
+            "ARX_SHM_COPY_THREADS",
+            number::<u32>("ARX_SHM_COPY_THREADS"),
+            |n, v| check_range(n, v, 0, MAX_SHM_COPY_THREADS),
         )?;
         let staging = knob(
             &get,
@@ -636,6 +671,7 @@ impl Config {
             stall_warn,
             spin,
             spin_hot,
+            shm_copy_threads,
             staging,
             algo,
             devices,
