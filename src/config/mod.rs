@@ -260,7 +260,7 @@ pub struct Config {
     /// otherwise).
     pub spin_hot: Option<u32>,
     /// Threads that copy beside the proxy on the Shm fabric, for posts of
-    /// 128 KiB and more (`ARX_SHM_COPY_THREADS`). Unset: chosen at start-up
+    /// 64 KiB and more (`ARX_SHM_COPY_THREADS`). Unset: chosen at start-up
     /// from the cores each rank of the node has.
     pub shm_copy_threads: Option<u32>,
     /// GPU send-slot staging (`ARX_STAGING`).

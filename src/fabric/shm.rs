@@ -346,11 +346,13 @@ pub(crate) fn establish(boot: &Bootstrap, layout: &Layout) -> Result<ShmSetup> {
 }
 
 /// Copies partials and flags into peers' parts of the shared segment.
-/// A post's total bytes from which the copy crew shares it: at 64 KiB the
-/// proxy's copy took longer with the crew (2 ranks on an H200 host: 3.4-4.9
-/// µs alone, 5.1-8.3 with three helpers; the calls' times were equal), at
-/// 128 KiB a graph-replayed call was 0.74x as long.
-pub(crate) const CREW_FROM: usize = 128 << 10;
+/// A post's total bytes from which the copy crew shares it. 2 ranks on an
+/// H200 host under MPS, three helpers (docs/BENCHMARKS.md, "The Shm copy
+/// crew"): at 64 KiB a call took 0.93-0.95x its time without the crew
+/// (the proxy's own `post` stage grew, from 3.4-4.9 to 5.1-8.3 µs: it
+/// waits for the helper's count after the flags are out); from 128 KiB
+/// 0.6-0.8x. Smaller posts were not measured.
+pub(crate) const CREW_FROM: usize = 64 << 10;
 /// The largest piece one thread of the crew takes at a time.
 pub(crate) const PIECE: usize = 32 << 10;
 
