@@ -468,23 +468,28 @@ pub(crate) fn split_post(
     (pieces, per_unit)
 }
 
-/// Step 2 by several threads: copies one [`Piece`] of call `seq` into
-/// `peer`, then, if it was the last piece of its unit to finish (`left`,
+/// Step 2 by several threads: copies one [`Piece`] of the call whose flag
+/// word is `flag` into `peer`, then, if it was the last piece of its unit to finish (`left`,
 /// the unit's count of unfinished pieces, set to its piece count before any
-/// piece was handed out, reaches 0), stores the unit's flag.
+/// piece was handed out, reaches 0) and the post was not given up
+/// (`abandoned` still 0), stores the unit's flag. Returns whether it did.
 ///
 /// # Safety
-/// [`post_shm`]'s contract, and each piece is copied once.
+/// [`post_shm`]'s contract, and each piece is copied once. Where the poster
+/// gives up waiting for a piece (and lets the device side reuse the send
+/// slot), it sets `abandoned` first: a copy that may have read the reused
+/// slot then never gets its flag.
 pub(crate) unsafe fn post_piece<M: Memory>(
     mine: &M,
     me: usize,
     peer: &M,
-    seq: u64,
     piece: &Piece,
     flag: u64,
     left: &AtomicU32,
-) {
-    let p = parity(seq);
+    abandoned: &AtomicU32,
+) -> bool {
+    // The call's parity, from the seq bits of its flag word.
+    let p = parity(u64::from(flag_seq(flag)));
     // SAFETY: the caller's contract.
     unsafe { mine.copy_send(p, piece.range.clone(), peer, me) };
     // AcqRel: Release hands this thread's copy to whichever thread ends the
@@ -492,10 +497,15 @@ pub(crate) unsafe fn post_piece<M: Memory>(
     // is the unit's last piece, takes every other piece's copy, so that the
     // Release flag store below covers them all. With Relaxed a peer that
     // acquired the flag could read a piece another thread had not finished.
-    if left.fetch_sub(1, Ordering::AcqRel) == 1 {
+    // SeqCst on `abandoned` (both sides): either this load comes first in
+    // the total order and every copy of the unit was done before the poster
+    // gave up, or it sees the abandonment.
+    if left.fetch_sub(1, Ordering::AcqRel) == 1 && abandoned.load(Ordering::SeqCst) == 0 {
         // Release: as in `post_shm`.
         peer.flag(p, me, piece.lane).store(flag, Ordering::Release);
+        return true;
     }
+    false
 }
 
 /// What a reader found in one flag (see [`look`]).

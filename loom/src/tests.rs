@@ -772,13 +772,18 @@ fn crew(left_weak: bool) {
                 .collect(),
         );
         let pieces = Arc::new(pieces);
+        let abandoned = Arc::new(crate::sync::atomic::AtomicU32::new(0));
         // Thread A copies pieces 0 and 3, thread B pieces 1 and 2: each
         // lane has one piece from each.
         let copiers: Vec<_> = [[0usize, 3], [1, 2]]
             .into_iter()
             .map(|mine| {
-                let (ranks, pieces, left) =
-                    (Arc::clone(&ranks), Arc::clone(&pieces), Arc::clone(&left));
+                let (ranks, pieces, left, abandoned) = (
+                    Arc::clone(&ranks),
+                    Arc::clone(&pieces),
+                    Arc::clone(&left),
+                    Arc::clone(&abandoned),
+                );
                 thread::spawn(move || {
                     for i in mine {
                         let pc = &pieces[i];
@@ -789,10 +794,10 @@ fn crew(left_weak: bool) {
                                 &ranks[1],
                                 1,
                                 &ranks[0],
-                                1,
                                 pc,
                                 flag,
                                 &left[pc.unit],
+                                &abandoned,
                             )
                         };
                     }

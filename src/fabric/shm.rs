@@ -369,6 +369,9 @@ pub(crate) struct ShmFabric {
     piece: usize,
     /// The call timeout: the longest the proxy waits for a helper's piece.
     timeout: Duration,
+    /// Test hook: helpers sleep this long after claiming a piece.
+    #[cfg(test)]
+    stall: Option<Duration>,
 }
 
 impl ShmFabric {
@@ -393,6 +396,8 @@ impl ShmFabric {
             crew_from: CREW_FROM,
             piece: PIECE,
             timeout: cfg.timeout,
+            #[cfg(test)]
+            stall: None,
         })
     }
 
@@ -418,7 +423,6 @@ impl ShmFabric {
             self.piece,
         );
         let job = Arc::new(Job {
-            seq,
             flag,
             me,
             layout: *layout,
@@ -427,9 +431,19 @@ impl ShmFabric {
             pieces,
             next: AtomicUsize::new(0),
             finished: AtomicUsize::new(0),
+            abandoned: AtomicU32::new(0),
+            #[cfg(test)]
+            stall: self.stall,
         });
         crew.hand_out(&job);
-        job.work();
+        // (Test hook: with `stall` set, the helpers take every piece.)
+        #[cfg(test)]
+        let mine = self.stall.is_none();
+        #[cfg(not(test))]
+        let mine = true;
+        if mine {
+            job.work();
+        }
         // Acquire: pairs with each helper's Release count of a finished
         // piece, so that the send slot, which the device side may overwrite
         // once this post returns, is no longer read by any helper.
@@ -438,6 +452,11 @@ impl ShmFabric {
         let mut rounds = 0u32;
         while job.finished.load(Ordering::Acquire) < total {
             if start.elapsed() > self.timeout {
+                // No more claims, and no flag from a piece still being
+                // copied (it may read the send slot after this returns:
+                // `protocol::post_piece`). The peers time out on this call.
+                job.abandoned.store(1, Ordering::SeqCst);
+                job.next.store(usize::MAX / 2, Ordering::Relaxed);
                 return Err(Error::Proxy(format!(
                     "call {seq}: the shm fabric's copy threads finished {} of {total} pieces \
                      within {:?} (ARX_SHM_COPY_THREADS=0 copies on the proxy thread alone)",
@@ -459,7 +478,7 @@ impl ShmFabric {
 
 /// One post shared by the crew (`ShmFabric::post_shared`).
 struct Job {
-    seq: u64,
+    /// The call's flag word (its seq bits give the parity).
     flag: u64,
     me: usize,
     layout: Layout,
@@ -471,6 +490,11 @@ struct Job {
     next: AtomicUsize,
     /// Pieces copied.
     finished: AtomicUsize,
+    /// 1 once the poster gave up waiting (`post_shared`): no more flags.
+    abandoned: AtomicU32,
+    /// Test hook: a helper sleeps this long after claiming a piece.
+    #[cfg(test)]
+    stall: Option<Duration>,
 }
 
 impl Job {
@@ -488,6 +512,15 @@ impl Job {
             let Some(pc) = self.pieces.get(i) else {
                 return;
             };
+            #[cfg(test)]
+            if let Some(d) = self.stall {
+                if std::thread::current()
+                    .name()
+                    .is_some_and(|n| n.starts_with("arx-copy"))
+                {
+                    std::thread::sleep(d);
+                }
+            }
             // SAFETY: the call was published and is posted in order (the
             // proxy's contract for `post`); the claim makes this thread the
             // only one to copy piece i; the proxy does not return from the
@@ -498,10 +531,10 @@ impl Job {
                     &at(self.me),
                     self.me,
                     &at(pc.peer),
-                    self.seq,
                     pc,
                     self.flag,
                     &self.left[pc.unit],
+                    &self.abandoned,
                 )
             };
             // Release: see `post_shared`'s Acquire load.
@@ -928,6 +961,49 @@ mod tests {
             "the crew took {:?} to stop",
             t.elapsed()
         );
+    }
+
+    /// A helper that holds a piece past the call timeout: the post fails
+    /// naming the setting, and the unit it held never gets its flag, not
+    /// even once the helper finishes (the device side may have reused the
+    /// send slot by then); the crew still stops.
+    #[test]
+    fn a_stalled_helper_fails_the_post_and_sends_no_flag() {
+        let slot = 256 << 10;
+        let (ls, s) = setup(2, slot);
+        fill(&ls, &s, 5);
+        // One piece per lane: the helper claims lane 0's and stalls.
+        let mut f = fabric(ls[0], &s, 1, 64 << 10);
+        f.timeout = Duration::from_millis(20);
+        f.stall = Some(Duration::from_millis(300));
+        let bytes = 128 << 10;
+        let flag = flag_word(1, abi::ARX_DTYPE_F32, bytes / 4);
+        let t = Instant::now();
+        let e = f.post(1, bytes, flag).unwrap_err().to_string();
+        assert!(
+            t.elapsed() < Duration::from_millis(250),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(
+            e.contains("ARX_SHM_COPY_THREADS") && e.contains("call 1"),
+            "{e}"
+        );
+        // The helper finishes its piece meanwhile.
+        std::thread::sleep(Duration::from_millis(500));
+        let at = Placed {
+            region: &s.regions[1],
+            layout: &ls[0],
+        };
+        let p = protocol::parity(1);
+        for lane in 0..protocol::LANES {
+            assert_eq!(
+                at.flag(p, 0, lane).load(Ordering::Acquire),
+                0,
+                "lane {lane} got its flag after the post gave up"
+            );
+        }
+        drop(f);
     }
 
     #[test]
