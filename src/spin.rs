@@ -57,6 +57,17 @@ impl Backoff {
         }
     }
 
+    /// [`Backoff::idle`] whose naps are parks without a deadline: for a
+    /// thread arx owns whose every reason to run comes with an unpark (the
+    /// Shm fabric's copy threads: a job, or the stop), so that an idle one
+    /// costs no CPU at all.
+    #[inline]
+    pub(crate) fn idle_until_unparked(&mut self) {
+        if self.spin() {
+            std::thread::park();
+        }
+    }
+
     /// Spins or yields once; true when it is time to nap instead.
     #[inline]
     fn spin(&mut self) -> bool {

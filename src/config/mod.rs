@@ -362,10 +362,18 @@ where
 
 fn number<T: FromStr>(name: &'static str) -> impl Fn(&str) -> Result<T> {
     move |s: &str| {
-        s.parse::<T>().map_err(|_| Error::Config {
-            name,
-            value: s.into(),
-            reason: "expected a non-negative integer".into(),
+        s.parse::<T>().map_err(|_| {
+            // Digits only, yet not parsed: past the type's range.
+            let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+            Error::Config {
+                name,
+                value: s.into(),
+                reason: if digits {
+                    "too large".into()
+                } else {
+                    "expected a non-negative integer".into()
+                },
+            }
         })
     }
 }

@@ -148,6 +148,9 @@ fn builder_and_environment_share_the_ranges() {
         ("ARX_GPU_BLOCKS", "0"),
         ("ARX_GPU_BLOCKS", "1025"),
         ("ARX_SPIN_HOT", "10000001"),
+        ("ARX_SHM_COPY_THREADS", "16"),
+        ("ARX_SHM_COPY_THREADS", "-1"),
+        ("ARX_SHM_COPY_THREADS", "99999999999"),
         ("ARX_SLOT_BYTES", "0"),
         ("ARX_SLOT_BYTES", "1G"),
     ] {
@@ -188,8 +191,16 @@ fn range_bounds_are_accepted() {
         ("ARX_GPU_UNROLL", "64"),
         ("ARX_GPU_BLOCKS", "1024"),
         ("ARX_SPIN_HOT", "10000000"),
+        ("ARX_SHM_COPY_THREADS", "15"),
     ])
     .unwrap();
+    assert_eq!(c.shm_copy_threads, Some(MAX_SHM_COPY_THREADS));
+    assert_eq!(
+        with(&[("ARX_SHM_COPY_THREADS", "0")])
+            .unwrap()
+            .copy_threads(2),
+        0
+    );
     assert_eq!(c.timeout, MAX_TIMEOUT);
     assert_eq!(c.init_timeout, MIN_TIMEOUT);
     assert_eq!(c.stall_warn, MIN_TIMEOUT);
@@ -269,4 +280,19 @@ fn the_automatic_algorithm_follows_the_measured_thresholds() {
     assert_eq!(a.choose(4, G - 1, true), Algo::OneShot);
     assert_eq!(a.choose(4, G, true), Algo::TwoShot);
     assert_eq!(a.choose(8, G, true), Algo::TwoShot);
+}
+
+#[test]
+fn a_number_past_its_type_is_too_large_not_malformed() {
+    let e = with(&[("ARX_SHM_COPY_THREADS", "99999999999")])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("too large") && e.contains("ARX_SHM_COPY_THREADS"),
+        "{e}"
+    );
+    let e = with(&[("ARX_SHM_COPY_THREADS", "abc")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("non-negative integer"), "{e}");
 }

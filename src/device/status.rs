@@ -61,7 +61,7 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
             let waited = Duration::from_nanos(ctrl.timeout_ns().load(Ordering::Relaxed));
             if own {
                 Error::Timeout {
-                    during: "allreduce (waiting for this rank's own sends)",
+                    during: "a call (waiting for this rank's own sends)",
                     waited,
                     detail: format!(
                         "rank {me}, call {seq}: its own proxy reports sends complete only up to call {} \
@@ -74,17 +74,27 @@ pub(crate) fn error(region: &Region, layout: &Layout, link: &Link) -> Option<Err
             } else {
                 let what = if lane == u32::MAX {
                     "no flag was missing when the deadline passed".to_string()
+                } else if flag_seq(flag) == seq as u32 {
+                    // (The host side looks once more after the deadline.)
+                    format!(
+                        "peer {peer} lane {lane} had not arrived when the deadline passed (it \
+                         arrived just after)"
+                    )
                 } else {
                     format!(
-                        "peer {peer} lane {lane} had not arrived (its flag there: call {})",
+                        "peer {peer} lane {lane} had not arrived when the deadline passed (its \
+                         flag there: call {})",
                         flag_seq(flag)
                     )
                 };
+                // Relaxed: as for the mismatch above.
+                let ours = ctrl.meta((seq & 1) as usize).load(Ordering::Relaxed);
                 Error::Timeout {
-                    during: "allreduce (waiting for peers' flags)",
+                    during: "a call (waiting for peers' flags)",
                     waited,
                     detail: format!(
-                        "rank {me}, call {seq}: {what}; all flags: {}",
+                        "rank {me}, call {seq}, {}: {what}; all flags now: {}",
+                        CallDesc::of_flag(ours),
                         peer_flags(region, layout, seq)
                     ),
                 }

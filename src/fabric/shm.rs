@@ -20,10 +20,11 @@
 //! (`protocol::post_piece`, also in the loom model: a Relaxed count of
 //! unfinished pieces is caught there). The post returns once every piece is
 //! copied, as before, so the send slot's reuse rules do not change. Helpers
-//! wait as the proxy does (hot polls, yields, then 50 µs naps, each ended
-//! early by the proxy's wake-up of the first helper, which wakes the next);
-//! they inherit the rank's CPU binding, and the default gives none to a
-//! rank with fewer than four cores of its own.
+//! wait as the proxy does (hot polls, then yields), then park until the
+//! proxy's next job wakes the first helper, which wakes the next: an idle
+//! crew costs no CPU. They inherit the rank's CPU binding; the default
+//! gives none to a rank with fewer than four cores of its own, and there is
+//! no crew where no post can reach the threshold (slot x peers below it).
 //!
 //! # The segment's life
 //!
@@ -383,7 +384,10 @@ impl ShmFabric {
         helpers: usize,
         cfg: &Config,
     ) -> Result<Self> {
-        let helpers = if layout.world() > 1 { helpers } else { 0 };
+        // None where no post can reach the crew's threshold (one rank, or
+        // a slot too small for it): idle threads would only take CPU.
+        let largest = layout.slot_bytes().saturating_mul(layout.world() - 1);
+        let helpers = if largest >= CREW_FROM { helpers } else { 0 };
         let crew = match helpers {
             0 => None,
             n => Some(Crew::start(n, layout.rank(), cfg)?),
@@ -563,8 +567,8 @@ impl Board {
 }
 
 /// The Shm fabric's copy threads (`ARX_SHM_COPY_THREADS`): they wait
-/// like the proxy (hot polls, then yields, then short naps), take a
-/// large post's pieces beside it, and stop when the fabric is dropped.
+/// like the proxy (hot polls, then yields), then park until the next job
+/// or the stop; they take a large post's pieces beside the proxy.
 struct Crew {
     board: Arc<Board>,
     threads: Vec<JoinHandle<()>>,
@@ -638,7 +642,11 @@ fn helper(board: &Board, i: usize, mut backoff: Backoff) {
         // Acquire: see `Crew::hand_out`.
         let g = board.generation.load(Ordering::Acquire);
         if g == seen {
-            backoff.idle_parked();
+            // Every job comes with an unpark (`hand_out` wakes helper 0,
+            // each helper the next), and so does the stop (`Crew::drop`):
+            // an idle helper parks until then. An unpark that comes first
+            // makes the next park return at once, so none is lost.
+            backoff.idle_until_unparked();
             continue;
         }
         seen = g;
@@ -834,7 +842,7 @@ mod tests {
 
     #[test]
     fn the_crew_copies_what_the_proxy_alone_copies() {
-        let slot = 32 << 10;
+        let slot = 64 << 10;
         for (world, helpers, piece) in [(2, 1, 1000), (3, 3, 4096), (5, 2, 1000)] {
             // Reference: each sender's proxy alone; then the crew, on
             // other regions filled alike.
@@ -1004,6 +1012,23 @@ mod tests {
             );
         }
         drop(f);
+    }
+
+    /// No crew where no post can reach [`CREW_FROM`]: one rank, or a slot
+    /// times the peers below it.
+    #[test]
+    fn no_crew_where_no_post_can_use_it() {
+        let cfg = cfg();
+        for (world, slot, want) in [
+            (1, 1 << 20, 0),
+            (2, 32 << 10, 0),
+            (3, 32 << 10, 2),
+            (2, 64 << 10, 2),
+        ] {
+            let (ls, s) = setup(world, slot);
+            let f = ShmFabric::new(ls[0], &s, 2, &cfg).unwrap();
+            assert_eq!(f.helpers(), want, "{world} ranks, slot {slot}");
+        }
     }
 
     #[test]
