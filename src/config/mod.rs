@@ -322,10 +322,11 @@ pub(crate) struct Overrides {
     pub settle: Option<Duration>,
 }
 
-/// [`Config::copy_threads`]'s default for `cores` usable cores and
-/// `local_ranks` ranks on the node.
-pub(crate) fn default_copy_threads(cores: usize, local_ranks: usize) -> usize {
-    (cores / local_ranks.max(1) / 2).saturating_sub(1).min(3)
+/// [`Config::copy_threads`]'s default for a rank that may run on `mine`
+/// CPUs, on a node of `online` CPUs and `local_ranks` ranks.
+pub(crate) fn default_copy_threads(mine: usize, online: usize, local_ranks: usize) -> usize {
+    let cores = mine.min(online / local_ranks.max(1));
+    (cores / 2).saturating_sub(1).min(3)
 }
 
 static LOGGED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
@@ -498,16 +499,20 @@ impl Config {
     }
 
     /// Copy threads beside the proxy on the Shm fabric, given how many
-    /// ranks share this node: as set, or half of this rank's share of the
-    /// cores it may run on, less one, at most 3 (none where a rank has
-    /// fewer than four cores of its own: the caller and the proxy already
-    /// spin on two).
+    /// ranks share this node: as set, or half of this rank's cores, less
+    /// one, at most 3 (none where a rank has fewer than four cores of its
+    /// own: the caller and the proxy already spin on two). A rank's cores:
+    /// the fewer of the CPUs it may run on (its binding) and the node's
+    /// online CPUs divided by its ranks.
     pub(crate) fn copy_threads(&self, local_ranks: usize) -> usize {
         if let Some(n) = self.shm_copy_threads {
             return n as usize;
         }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        default_copy_threads(cores, local_ranks)
+        let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: sysconf reads a system value; no pointer is involved.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+        let online = usize::try_from(online).unwrap_or(mine).max(1);
+        default_copy_threads(mine, online, local_ranks)
     }
 
     /// The settings from the `ARX_*` environment and defaults, as

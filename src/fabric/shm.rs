@@ -1033,14 +1033,19 @@ mod tests {
 
     #[test]
     fn the_default_leaves_two_cores_to_each_rank() {
-        use crate::config::default_copy_threads;
-        assert_eq!(default_copy_threads(2, 1), 0);
-        assert_eq!(default_copy_threads(2, 2), 0);
-        assert_eq!(default_copy_threads(4, 1), 1);
-        assert_eq!(default_copy_threads(16, 2), 3);
-        assert_eq!(default_copy_threads(16, 4), 1);
-        assert_eq!(default_copy_threads(16, 8), 0);
-        assert_eq!(default_copy_threads(128, 1), 3);
-        assert_eq!(default_copy_threads(1, 0), 0);
+        use crate::config::default_copy_threads as d;
+        // (CPUs the rank may run on, the node's CPUs, ranks on the node)
+        assert_eq!(d(2, 2, 1), 0); // CI's machine
+        assert_eq!(d(2, 2, 2), 0);
+        assert_eq!(d(4, 4, 1), 1);
+        assert_eq!(d(16, 16, 2), 3); // unbound, the H200 machine
+        assert_eq!(d(16, 16, 4), 1);
+        assert_eq!(d(16, 16, 8), 0);
+        assert_eq!(d(1, 16, 2), 0); // --bind-to core
+        assert_eq!(d(4, 16, 2), 1); // --map-by slot:PE=4
+        assert_eq!(d(8, 16, 2), 3); // PE=8
+        assert_eq!(d(8, 16, 4), 1); // four ranks bound to one 8-core socket
+        assert_eq!(d(128, 128, 1), 3);
+        assert_eq!(d(1, 1, 0), 0);
     }
 }
