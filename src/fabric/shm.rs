@@ -428,7 +428,6 @@ impl ShmFabric {
         );
         let job = Arc::new(Job {
             flag,
-            me,
             layout: *layout,
             regions: Arc::clone(&self.regions),
             left: per_unit.into_iter().map(AtomicU32::new).collect(),
@@ -484,7 +483,7 @@ impl ShmFabric {
 struct Job {
     /// The call's flag word (its seq bits give the parity).
     flag: u64,
-    me: usize,
+    /// This rank's layout (its rank is the sender's).
     layout: Layout,
     regions: Arc<[Arc<Region>]>,
     pieces: Vec<Piece>,
@@ -505,6 +504,7 @@ impl Job {
     /// Claims and copies pieces until none is left.
     fn work(&self) {
         let layout = &self.layout;
+        let me = layout.rank();
         let at = |q: usize| Placed {
             region: &self.regions[q],
             layout,
@@ -532,8 +532,8 @@ impl Job {
             // before `finished` counts every piece.
             unsafe {
                 protocol::post_piece(
-                    &at(self.me),
-                    self.me,
+                    &at(me),
+                    me,
                     &at(pc.peer),
                     pc,
                     self.flag,
@@ -623,8 +623,9 @@ impl Drop for Crew {
             t.thread().unpark();
         }
         for t in self.threads.drain(..) {
-            // A helper leaves within one nap; it cannot panic while copying
-            // (bounds were checked when the pieces were cut).
+            // A helper leaves once unparked (or after the piece it copies);
+            // it cannot panic while copying (bounds were checked when the
+            // pieces were cut).
             let _ = t.join();
         }
     }
