@@ -119,23 +119,22 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         None => None,
     };
 
-    // Region and fabric. The topology (lanes, proxy CPU) is chosen once,
-    // for the Verbs fabric and the proxy.
-    let mut topology_cpu = None;
+    // Region and fabric, and the proxy's CPU: the topology's (lanes, proxy
+    // CPU) for the Verbs fabric, the Shm placement's for Shm.
+    let topology_cpu;
     let (region, fabric): (Arc<Region>, Box<dyn Fabric>) = match fabric_kind {
         FabricKind::Shm => {
             let setup = fabric::shm::establish(&boot, &layout)?;
             let region = Arc::clone(&setup.regions[rank]);
+            let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
+            let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
+            let place = shm_placement(&cfg, &local, rank, want_gpu);
+            topology_cpu = place.proxy;
             (
                 region,
                 Box::new(boot.agree(
                     "shm copy threads",
-                    fabric::shm::ShmFabric::new(
-                        layout,
-                        &setup,
-                        cfg.copy_threads(local_ranks),
-                        &cfg,
-                    ),
+                    fabric::shm::ShmFabric::new(layout, &setup, &place, &cfg),
                 )?),
             )
         }
@@ -209,4 +208,60 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         fabric_name,
         boot,
     })
+}
+
+/// Where the Shm fabric's proxy and copy threads run on this rank
+/// (`topology::choose_shm_cpus`); logged, and a warning when the proxy of
+/// a GPU instance must share the caller's only CPU.
+///
+/// Only a GPU instance's threads leave a one-CPU binding: there the proxy
+/// posts every call while the caller's CUDA synchronize spins. A host
+/// instance's caller posts its own calls, and its proxy moved to a core of
+/// its own made small calls slower (measured on 16 cores, 2 ranks bound to
+/// one core each, 8 B float: 0.85x MPI's time ratio before, 0.42x after:
+/// the proxy's hot loop then contends with the caller for the fabric), so
+/// it keeps sharing. Test hook (tests only, not a setting):
+/// `ARX_TEST_SHM_PLACEMENT=pin` applies the GPU rule to a host instance.
+fn shm_placement(
+    cfg: &Config,
+    local: &topology::LocalRank,
+    rank: usize,
+    gpu: bool,
+) -> topology::ShmCpus {
+    let explicit = cfg.shm_copy_threads.map(|n| n as usize);
+    let sole = topology::sole_bound_cpu();
+    let pin = gpu || std::env::var("ARX_TEST_SHM_PLACEMENT").as_deref() == Ok("pin");
+    if !pin || cfg.proxy_cpu.is_some() || sole.is_none() {
+        return topology::ShmCpus {
+            threads: cfg.copy_threads(local.count),
+            note: match (cfg.proxy_cpu, sole) {
+                (Some(c), _) => {
+                    format!("proxy on CPU {c} (ARX_PROXY_CPU); copy threads not pinned")
+                }
+                (None, None) => "main thread not bound to one CPU: proxy and copy threads run \
+                                 on the rank's CPUs"
+                    .into(),
+                (None, Some(c)) => format!(
+                    "host device side: the caller posts its own calls; proxy and copy threads \
+                     share the main thread's CPU {c}"
+                ),
+            },
+            ..topology::ShmCpus::default()
+        };
+    }
+    let (cpus, allowed) = topology::shm_cpu_info(std::path::Path::new("/"));
+    let online = cpus.online.len().max(1);
+    let want = explicit
+        .unwrap_or_else(|| crate::config::default_copy_threads(online, online, local.count));
+    let place = topology::choose_shm_cpus(&cpus, &allowed, sole, local, want, explicit.is_some());
+    match place.shared {
+        Some(c) if gpu => log::warn!(
+            "arx: rank {rank}: {}; the caller's CUDA synchronize spins on CPU {c} too, so each GPU call can \
+             wait for the scheduler (about 4 ms): give each rank two CPUs or more (mpirun \
+             --map-by slot:PE=2, or --bind-to none), or set ARX_PROXY_CPU",
+            place.note
+        ),
+        _ => log::info!("arx: rank {rank}: {}", place.note),
+    }
+    place
 }

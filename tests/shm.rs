@@ -14,6 +14,19 @@
 //!    (`unshare -m`, a fresh 64 MiB tmpfs on `/dev/shm`), which needs root;
 //!    elsewhere it is reported as SKIPPED, not as passed.
 //!
+//! 4. Where the proxy and its copy threads run (`mpirun --bind-to core`
+//!    at 1 and 2 ranks, and `--bind-to none`), by the GPU instance's rule
+//!    (the test hook `ARX_TEST_SHM_PLACEMENT=pin` applies it to these host
+//!    instances): a main thread bound to one
+//!    CPU must not have its proxy on that CPU, or on another rank's main
+//!    CPU, while a CPU outside them is free for every rank (each proxy then
+//!    pinned to one CPU of its own, none shared between the node's ranks,
+//!    copy threads likewise and never on a main or proxy CPU); with no CPU
+//!    free the proxy stays on the rank's CPU; an unbound rank's threads
+//!    keep its CPUs. By the host rule (1 rank bound to one core) the
+//!    threads stay on the main's CPU. Read from `/proc/self/task`, with an
+//!    exact call.
+//!
 //! Cases 1 and 2 use the test-only hook `ARX_TEST_SHM_FAIL=leave:<rank>` /
 //! `attach:<rank>` of `src/fabric/shm.rs`.
 
@@ -34,6 +47,7 @@ const SMALL_RANKS: usize = 8;
 fn main() -> ExitCode {
     match std::env::var("ARX_TEST_SHM_CHILD").as_deref() {
         Ok("cleanup") => child(cleanup),
+        Ok("placement") => child(placement),
         Ok("small") => child(small_shm),
         _ => parent(),
     }
@@ -48,9 +62,17 @@ fn is_root() -> bool {
 
 /// `mpirun -n <n>` of this binary as child `mode`, with `env`.
 fn mpirun(n: usize, mode: &str, env: &[(&str, &str)]) -> Command {
+    mpirun_bound(n, mode, env, None)
+}
+
+/// [`mpirun`] with `--bind-to <bind>` when given.
+fn mpirun_bound(n: usize, mode: &str, env: &[(&str, &str)], bind: Option<&str>) -> Command {
     let exe = std::env::current_exe().expect("the test binary knows its path");
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &n.to_string(), "--oversubscribe"]);
+    if let Some(b) = bind {
+        cmd.args(["--bind-to", b]);
+    }
     if is_root() {
         cmd.arg("--allow-run-as-root");
     }
@@ -133,6 +155,33 @@ fn parent() -> ExitCode {
         limit,
     );
     report("rank 1's attach fails (3 ranks)", r, t);
+
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (n, bind, rule) in [
+        (1, "core", "pin"),
+        (2, "core", "pin"),
+        (2, "none", "pin"),
+        (1, "core", "host"),
+    ] {
+        let t = Instant::now();
+        let name = format!(
+            "proxy and copy threads' CPUs, {n} rank(s), --bind-to {bind}, {} rule",
+            if rule == "pin" { "GPU" } else { "host" }
+        );
+        if bind == "core" && n > cpus {
+            println!("shm test: {name}: SKIPPED, not counted as passed: {cpus} CPU(s)");
+            continue;
+        }
+        let env = [
+            ("ARX_SHM_COPY_THREADS", ""),
+            ("ARX_TEST_SHM_PLACEMENT", rule),
+        ];
+        report(
+            &name,
+            run(mpirun_bound(n, "placement", &env, Some(bind)), limit),
+            t,
+        );
+    }
 
     let name = format!("/dev/shm of {SMALL_SHM}, {SMALL_RANKS} ranks");
     match private_shm_unavailable() {
@@ -336,4 +385,153 @@ fn small_shm(ctx: &Ctx) -> Result<(), String> {
         return Err(format!("left in /dev/shm at the end: {left:?}"));
     }
     Ok(())
+}
+
+/// The CPUs thread `tid` of this process may run on
+/// (`Cpus_allowed_list`).
+fn allowed_cpus(tid: &str) -> Result<Vec<usize>, String> {
+    let path = format!("/proc/self/task/{tid}/status");
+    let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+    let list = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .ok_or_else(|| format!("{path}: no Cpus_allowed_list"))?;
+    cpu_list(list.trim())
+}
+
+/// A kernel CPU list ("0-3,8") as CPU numbers.
+fn cpu_list(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let num = |x: &str| {
+            x.parse::<usize>()
+                .map_err(|e| format!("CPU list {s:?}: {e}"))
+        };
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(num(a)?..=num(b)?),
+            None => out.push(num(part)?),
+        }
+    }
+    Ok(out)
+}
+
+/// This process's threads whose names start with `prefix`, with their CPUs.
+fn threads_named(prefix: &str) -> Result<Vec<(String, Vec<usize>)>, String> {
+    let mut out = Vec::new();
+    let dir = std::fs::read_dir("/proc/self/task").map_err(|e| format!("/proc/self/task: {e}"))?;
+    for e in dir.filter_map(|e| e.ok()) {
+        let tid = e.file_name().to_string_lossy().into_owned();
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        if comm.trim().starts_with(prefix) {
+            out.push((comm.trim().to_string(), allowed_cpus(&tid)?));
+        }
+    }
+    Ok(out)
+}
+
+/// Case 4: the proxy's and the copy threads' CPUs against the main
+/// threads' bindings, learnt from every rank through MPI.
+fn placement(ctx: &Ctx) -> Result<(), String> {
+    let main = allowed_cpus(&format!("{}", unsafe_gettid()))?;
+    let sole = (main.len() == 1).then(|| main[0]);
+    let online = std::fs::read_to_string("/sys/devices/system/cpu/online")
+        .map_err(|e| format!("online CPUs: {e}"))
+        .and_then(|s| cpu_list(s.trim()))?;
+    let mut arx = builder()
+        .build(ctx.world)
+        .map_err(|e| format!("Arx::new: {e}"))?;
+    // An exact full-slot call first (large enough for the copy threads).
+    let n = arx.max_count::<f32>();
+    let input = verify::input::<f32>(SEED, 4, ctx.rank, n);
+    let want = verify::expected::<f32>(SEED, 4, ctx.n, n);
+    let mut out = vec![0f32; n];
+    verify::poison(&mut out);
+    arx.allreduce_host(&input, &mut out)
+        .map_err(|e| format!("call: {e}"))?;
+    let wrong = verify::count_wrong(&out, &want);
+    if wrong != 0 {
+        return Err(format!("{wrong} of {n} elements wrong"));
+    }
+
+    let proxies = threads_named(&format!("arx-proxy-{}", ctx.rank))?;
+    let [(_, proxy)] = &proxies[..] else {
+        return Err(format!("expected one proxy thread, found {proxies:?}"));
+    };
+    let copies = threads_named(&format!("arx-copy-{}-", ctx.rank))?;
+    // Every rank's main CPU (u64::MAX: not bound to one) and pinned proxy
+    // CPU (u64::MAX: not pinned to one).
+    let one = |v: &[usize]| if v.len() == 1 { v[0] as u64 } else { u64::MAX };
+    let mut mains = vec![0u64; ctx.n];
+    ctx.world
+        .all_gather_into(&sole.map_or(u64::MAX, |c| c as u64), &mut mains[..]);
+    let mut proxy_cpus = vec![0u64; ctx.n];
+    ctx.world.all_gather_into(&one(proxy), &mut proxy_cpus[..]);
+    let mains: Vec<usize> = mains
+        .iter()
+        .filter(|&&c| c != u64::MAX)
+        .map(|&c| c as usize)
+        .collect();
+    let free: Vec<usize> = online
+        .iter()
+        .copied()
+        .filter(|c| !mains.contains(c))
+        .collect();
+    let text = format!(
+        "rank {}: main CPUs {main:?}, proxy {proxy:?}, copy threads {copies:?}, node mains \
+         {mains:?}, proxies {proxy_cpus:?}, online {online:?}",
+        ctx.rank
+    );
+    if ctx.rank == 0 {
+        println!("  {text}");
+    }
+    // The host rule: the proxy shares the main thread's CPUs, bound or not.
+    let gpu_rule = std::env::var("ARX_TEST_SHM_PLACEMENT").as_deref() == Ok("pin");
+    if !gpu_rule {
+        return (*proxy == main && copies.iter().all(|(_, c)| *c == main))
+            .then_some(())
+            .ok_or(format!(
+                "a host instance's threads left the main's CPUs: {text}"
+            ));
+    }
+    match sole {
+        None if *proxy != main => Err(format!("unbound rank's proxy moved: {text}")),
+        None => copies
+            .iter()
+            .all(|(_, c)| *c == main)
+            .then_some(())
+            .ok_or(format!("unbound rank's copy threads moved: {text}")),
+        Some(c) if free.len() >= ctx.n => {
+            let [p] = proxy[..] else {
+                return Err(format!(
+                    "proxy not pinned to one CPU though CPUs are free: {text}"
+                ));
+            };
+            if !free.contains(&p) {
+                return Err(format!("proxy on a main thread's CPU: {text}"));
+            }
+            let mut seen = proxy_cpus.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            if seen.len() != ctx.n {
+                return Err(format!("two ranks' proxies share a CPU: {text}"));
+            }
+            for (name, cpus) in &copies {
+                let [k] = cpus[..] else {
+                    return Err(format!("{name} not pinned to one CPU: {text}"));
+                };
+                if k == c || mains.contains(&k) || proxy_cpus.contains(&(k as u64)) {
+                    return Err(format!("{name} on a main or proxy CPU: {text}"));
+                }
+            }
+            Ok(())
+        }
+        Some(c) if *proxy != [c] => Err(format!("no CPU free, yet the proxy moved: {text}")),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The calling thread's id.
+fn unsafe_gettid() -> i64 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::syscall(libc::SYS_gettid) }
 }

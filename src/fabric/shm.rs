@@ -65,6 +65,7 @@ use crate::fabric::Fabric;
 use crate::layout::{Backing, Layout, Placed, Region};
 use crate::protocol::{self, Piece};
 use crate::spin::Backoff;
+use crate::topology::ShmCpus;
 
 /// One mapping of the node's shared segment.
 pub(crate) struct Segment {
@@ -364,6 +365,9 @@ pub(crate) struct ShmFabric {
     /// Helper threads that copy pieces of large posts beside the proxy
     /// (none: the proxy copies alone).
     crew: Option<Crew>,
+    /// Where the proxy and the crew are pinned, for `describe` (empty
+    /// when they are not).
+    placement: String,
     /// A post's total bytes from which the crew shares it ([`CREW_FROM`]).
     crew_from: usize,
     /// The crew's piece size ([`PIECE`]).
@@ -376,26 +380,44 @@ pub(crate) struct ShmFabric {
 }
 
 impl ShmFabric {
-    /// The fabric over `setup`'s regions, with `helpers` copy threads beside
-    /// the proxy (`ARX_SHM_COPY_THREADS`; none for a rank without peers).
+    /// The fabric over `setup`'s regions, with `place.threads` copy threads
+    /// beside the proxy (`ARX_SHM_COPY_THREADS`; none for a rank without
+    /// peers), pinned to `place.helpers` when it names CPUs.
     pub(crate) fn new(
         layout: Layout,
         setup: &ShmSetup,
-        helpers: usize,
+        place: &ShmCpus,
         cfg: &Config,
     ) -> Result<Self> {
         // None where no post can reach the crew's threshold (one rank, or
         // a slot too small for it): idle threads would only take CPU.
         let largest = layout.slot_bytes().saturating_mul(layout.world() - 1);
-        let helpers = if largest >= CREW_FROM { helpers } else { 0 };
+        let helpers = if largest >= CREW_FROM {
+            place.threads
+        } else {
+            0
+        };
         let crew = match helpers {
             0 => None,
-            n => Some(Crew::start(n, layout.rank(), cfg)?),
+            n => Some(Crew::start(n, &place.helpers, layout.rank(), cfg)?),
         };
         Ok(ShmFabric {
             layout,
             regions: setup.regions.clone().into(),
             name: setup.name.clone(),
+            placement: match (place.proxy, crew.is_some()) {
+                (None, _) => match place.shared {
+                    Some(c) => format!("; proxy shares the main thread's CPU {c}"),
+                    None => String::new(),
+                },
+                (Some(p), true) if !place.helpers.is_empty() => format!(
+                    "; proxy on CPU {p}, copy threads on CPUs {}",
+                    crate::topology::format_cpulist(
+                        &place.helpers[..helpers.min(place.helpers.len())]
+                    )
+                ),
+                (Some(p), _) => format!("; proxy on CPU {p}"),
+            },
             crew,
             crew_from: CREW_FROM,
             piece: PIECE,
@@ -575,7 +597,8 @@ struct Crew {
 }
 
 impl Crew {
-    fn start(n: usize, rank: usize, cfg: &Config) -> Result<Self> {
+    /// `n` helpers, helper i pinned to `cpus[i]` when `cpus` names it.
+    fn start(n: usize, cpus: &[usize], rank: usize, cfg: &Config) -> Result<Self> {
         let board = Arc::new(Board {
             generation: AtomicU64::new(0),
             job: Mutex::new(None),
@@ -589,9 +612,17 @@ impl Crew {
         for i in 0..n {
             let b = Arc::clone(&board);
             let (spin, hot) = (cfg.spin, cfg.spin_hot.unwrap_or(64));
+            let cpu = cpus.get(i).copied();
             let t = std::thread::Builder::new()
                 .name(format!("arx-copy-{rank}-{i}"))
-                .spawn(move || helper(&b, i, Backoff::new(spin, hot)))
+                .spawn(move || {
+                    if let Some(c) = cpu {
+                        if let Err(e) = crate::topology::pin_current_thread(c) {
+                            log::warn!("arx shm copy thread {i}: could not pin to CPU {c}: {e}");
+                        }
+                    }
+                    helper(&b, i, Backoff::new(spin, hot))
+                })
                 .map_err(|e| Error::Os {
                     call: "thread spawn",
                     object: format!("arx shm copy thread {i} of {n}"),
@@ -725,10 +756,11 @@ impl Fabric for ShmFabric {
             ),
         };
         format!(
-            "shm segment {} (unlinked), {} ranks x {} bytes{crew}",
+            "shm segment {} (unlinked), {} ranks x {} bytes{crew}{}",
             self.name,
             self.layout.world(),
-            self.layout.region_bytes()
+            self.layout.region_bytes(),
+            self.placement
         )
     }
 }
@@ -824,8 +856,16 @@ mod tests {
         Config::resolve_with(&Overrides::default(), |_| None).unwrap()
     }
 
+    /// `n` copy threads, not pinned.
+    fn threads(n: usize) -> ShmCpus {
+        ShmCpus {
+            threads: n,
+            ..ShmCpus::default()
+        }
+    }
+
     fn fabric(l: Layout, s: &ShmSetup, helpers: usize, piece: usize) -> ShmFabric {
-        let mut f = ShmFabric::new(l, s, helpers, &cfg()).unwrap();
+        let mut f = ShmFabric::new(l, s, &threads(helpers), &cfg()).unwrap();
         f.crew_from = 0;
         f.piece = piece;
         f
@@ -1029,7 +1069,7 @@ mod tests {
             (2, 64 << 10),
         ] {
             let (ls, s) = setup(world, slot);
-            let f = ShmFabric::new(ls[0], &s, 2, &cfg).unwrap();
+            let f = ShmFabric::new(ls[0], &s, &threads(2), &cfg).unwrap();
             let reach = ls[0].slot_bytes() * (world - 1);
             let want = if reach >= CREW_FROM { 2 } else { 0 };
             small += usize::from(want == 0);

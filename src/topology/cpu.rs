@@ -3,7 +3,7 @@
 //! and pinning the proxy thread to it.
 
 use super::sysfs::format_cpulist;
-use super::{DeviceInfo, Discovery, LocalRank, ThreadCpus, WARN};
+use super::{CpuInfo, DeviceInfo, Discovery, LocalRank, ThreadCpus, WARN};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -11,10 +11,10 @@ use crate::error::{Error, Result};
 /// NIC, big, near, the rest; higher numbers first within each (CPU 0 tends
 /// to take interrupts and housekeeping). It depends on the hardware only,
 /// so every rank of the node computes the same order.
-fn proxy_cpu_order(disc: &Discovery, near: &[usize]) -> Vec<usize> {
-    let big = |c: &usize| disc.cpus.big.contains(c);
+fn proxy_cpu_order(cpus: &CpuInfo, near: &[usize]) -> Vec<usize> {
+    let big = |c: &usize| cpus.big.contains(c);
     let is_near = |c: &usize| near.is_empty() || near.contains(c);
-    let mut order: Vec<usize> = disc.cpus.online.iter().rev().copied().collect();
+    let mut order: Vec<usize> = cpus.online.iter().rev().copied().collect();
     // Stable: descending numbers within each group.
     order.sort_by_key(|c| (!big(c), !is_near(c)));
     order
@@ -67,7 +67,7 @@ pub(super) fn choose_proxy_cpu(
     // Beyond the big cores near the NIC a rank gets the next best distinct
     // core rather than a big one another proxy spins on. Only with more
     // local ranks than online CPUs do shares wrap (and proxies share).
-    let mut order = proxy_cpu_order(disc, &near);
+    let mut order = proxy_cpu_order(&disc.cpus, &near);
     let count = local.count.max(1);
     // Main threads bound to one CPU each (every rank knows the same list):
     // leave those CPUs out of the order while enough others remain.
@@ -187,21 +187,149 @@ pub(super) fn choose_proxy_cpu(
     None
 }
 
+/// Where the Shm fabric's proxy and copy threads run
+/// ([`choose_shm_cpus`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ShmCpus {
+    /// The proxy's CPU; None: not pinned (it runs on the rank's CPUs).
+    pub proxy: Option<usize>,
+    /// The copy threads' CPUs, one per thread (empty: not pinned).
+    pub helpers: Vec<usize>,
+    /// How many copy threads to start.
+    pub threads: usize,
+    /// Why, for the log and the fabric's description.
+    pub note: String,
+    /// The main thread's one CPU, when the proxy must share it (no other
+    /// CPU was free): a GPU instance's calls then wait on the scheduler.
+    pub shared: Option<usize>,
+}
+
+/// The Shm fabric's proxy and copy threads (`threads` of them, `explicit`
+/// when the user set the count) for a rank whose main thread is bound to
+/// `sole` alone, on a node with CPUs `cpus` of which this process may use
+/// `allowed` (empty: all).
+///
+/// For GPU instances (the caller decides; `establish::shm_placement`). A
+/// rank bound to several CPUs, or to none, keeps its threads there (the
+/// scheduler spreads them over the binding). A rank bound to one CPU (Open
+/// MPI's `--bind-to core`, its default at two ranks or fewer) would make
+/// its proxy share that CPU with the caller, whose CUDA synchronize spins
+/// without yielding: each GPU call then waits for a scheduler tick (4 ms
+/// measured on the H200 machine against 12 us). So the proxy and copy
+/// threads go to CPUs outside every main thread's one CPU, each local rank
+/// taking every `count`-th CPU of the same order (big cores first, high
+/// numbers first), so that the node's ranks get disjoint CPUs without
+/// talking; by default a pinned rank gets the copy threads of an unbound
+/// one, at most one per CPU of its share beyond the proxy's.
+pub(crate) fn choose_shm_cpus(
+    cpus: &CpuInfo,
+    allowed: &[usize],
+    sole: Option<usize>,
+    local: &LocalRank,
+    threads: usize,
+    explicit: bool,
+) -> ShmCpus {
+    let Some(main) = sole else {
+        return ShmCpus {
+            threads,
+            note: "main thread not bound to one CPU: proxy and copy threads run on the \
+                   rank's CPUs"
+                .into(),
+            ..ShmCpus::default()
+        };
+    };
+    let count = local.count.max(1);
+    let index = local.index % count;
+    let pool: Vec<usize> = proxy_cpu_order(cpus, &[])
+        .into_iter()
+        .filter(|c| *c != main && !local.main_cpus.contains(c))
+        .filter(|c| allowed.is_empty() || allowed.contains(c))
+        .collect();
+    let share: Vec<usize> = pool.iter().copied().skip(index).step_by(count).collect();
+    let Some((&proxy, rest)) = share.split_first() else {
+        return ShmCpus {
+            threads: if explicit { threads } else { 0 },
+            note: format!(
+                "main thread bound to CPU {main} alone and no CPU outside the node's main \
+                 threads' is free for local rank {index} of {count}: the proxy shares CPU {main}"
+            ),
+            shared: Some(main),
+            ..ShmCpus::default()
+        };
+    };
+    let threads = if explicit {
+        threads
+    } else {
+        threads.min(rest.len())
+    };
+    // More copy threads than CPUs (only when set by hand): they share the
+    // share's CPUs beyond the proxy's, or the proxy's when there are none.
+    let spare = if rest.is_empty() { &share[..1] } else { rest };
+    let helpers: Vec<usize> = spare.iter().copied().cycle().take(threads).collect();
+    let mut note = format!(
+        "main thread bound to CPU {main} alone: proxy on CPU {proxy}{}",
+        if helpers.is_empty() {
+            String::new()
+        } else {
+            format!(", copy threads on CPUs {}", format_cpulist(&helpers))
+        }
+    );
+    if count > 1 {
+        note.push_str(&format!(
+            " (local rank {index} of {count}: CPUs {} outside the main threads' are its share)",
+            format_cpulist(&share)
+        ));
+    }
+    ShmCpus {
+        proxy: Some(proxy),
+        helpers,
+        threads,
+        note,
+        shared: None,
+    }
+}
+
+/// The one CPU the calling thread is bound to, if it is bound to exactly
+/// one (read with `sched_getaffinity`, without loading a topology).
+pub(crate) fn sole_bound_cpu() -> Option<usize> {
+    // SAFETY: cpu_set_t is plain data whose all-zero value is the empty
+    // set; sched_getaffinity(0) writes at most the size given into it, for
+    // the calling thread; CPU_ISSET reads it at indices below CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        let mut on = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set));
+        match (on.next(), on.next()) {
+            (Some(c), None) => Some(c),
+            _ => None,
+        }
+    }
+}
+
 /// Pins the calling thread to `cpu`.
 pub fn pin_current_thread(cpu: usize) -> Result<()> {
     let os = |detail: String| Error::Os {
-        call: "hwloc_set_cpubind(THREAD)",
+        call: "sched_setaffinity",
         object: format!("CPU {cpu}"),
         detail,
     };
-    let id = u32::try_from(cpu).map_err(|_| os("CPU number out of range".into()))?;
-    let mut topo =
-        hwloc2::Topology::new().ok_or_else(|| os("hwloc topology unavailable".into()))?;
-    topo.set_cpubind(
-        hwloc2::CpuSet::from(id),
-        hwloc2::CpuBindFlags::CPUBIND_THREAD,
-    )
-    .map_err(|e| os(format!("{e:?}")))
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(os("CPU number out of range".into()));
+    }
+    // SAFETY: as in `sole_bound_cpu`; CPU_SET writes the bit of an index
+    // below CPU_SETSIZE; sched_setaffinity(0) binds the calling thread and
+    // only reads the set.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        return Err(os(std::io::Error::last_os_error().to_string()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -446,6 +574,130 @@ mod tests {
         );
         let s = select_from(&disc, &cfg, &me, &LocalRank::ALONE).unwrap();
         assert_eq!(s.warnings().count(), 0, "{:#?}", s.notes);
+    }
+
+    /// `n` alike CPUs, all online.
+    fn alike(n: usize) -> CpuInfo {
+        CpuInfo {
+            online: (0..n).collect(),
+            ..CpuInfo::default()
+        }
+    }
+
+    fn lrm(index: usize, count: usize, mains: &[usize]) -> LocalRank {
+        LocalRank {
+            index,
+            count,
+            main_cpus: mains.to_vec(),
+        }
+    }
+
+    #[test]
+    fn shm_threads_leave_a_one_cpu_binding() {
+        // Open MPI's default at 2 ranks on 16 CPUs: mains on 0 and 1.
+        let cpus = alike(16);
+        let a = choose_shm_cpus(&cpus, &[], Some(0), &lrm(0, 2, &[0, 1]), 3, false);
+        let b = choose_shm_cpus(&cpus, &[], Some(1), &lrm(1, 2, &[0, 1]), 3, false);
+        assert_eq!(
+            (a.proxy, a.helpers.clone(), a.threads),
+            (Some(15), vec![13, 11, 9], 3)
+        );
+        assert_eq!(
+            (b.proxy, b.helpers.clone(), b.threads),
+            (Some(14), vec![12, 10, 8], 3)
+        );
+        for p in [&a, &b] {
+            assert_eq!(p.shared, None);
+            assert!(p.note.contains("proxy on CPU"), "{}", p.note);
+        }
+        // Disjoint, and off every main CPU.
+        let mut all: Vec<usize> = [a.proxy.unwrap(), b.proxy.unwrap()]
+            .into_iter()
+            .chain(a.helpers.iter().chain(&b.helpers).copied())
+            .collect();
+        assert!(all.iter().all(|c| *c > 1));
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 8);
+    }
+
+    #[test]
+    fn shm_threads_stay_when_not_bound_to_one_cpu() {
+        let p = choose_shm_cpus(&alike(16), &[], None, &lrm(0, 2, &[]), 3, false);
+        assert_eq!(
+            (p.proxy, p.helpers.len(), p.threads, p.shared),
+            (None, 0, 3, None)
+        );
+    }
+
+    #[test]
+    fn shm_proxy_shares_when_no_cpu_is_free() {
+        // CI's 2 CPUs, 2 ranks bound one each.
+        let p = choose_shm_cpus(&alike(2), &[], Some(1), &lrm(1, 2, &[0, 1]), 3, false);
+        assert_eq!((p.proxy, p.threads, p.shared), (None, 0, Some(1)));
+        assert!(p.note.contains("shares CPU 1"), "{}", p.note);
+        // Copy threads set by hand are still started (not pinned).
+        let p = choose_shm_cpus(&alike(2), &[], Some(1), &lrm(1, 2, &[0, 1]), 2, true);
+        assert_eq!((p.proxy, p.threads, p.helpers.len()), (None, 2, 0));
+        // 3 CPUs, 2 bound ranks: one free CPU goes to local rank 0 only.
+        let a = choose_shm_cpus(&alike(3), &[], Some(0), &lrm(0, 2, &[0, 1]), 3, false);
+        let b = choose_shm_cpus(&alike(3), &[], Some(1), &lrm(1, 2, &[0, 1]), 3, false);
+        assert_eq!((a.proxy, a.threads, a.shared), (Some(2), 0, None));
+        assert_eq!((b.proxy, b.shared), (None, Some(1)));
+    }
+
+    #[test]
+    fn shm_threads_respect_the_cgroup_and_big_cores() {
+        // The cgroup allows CPUs 0-5 only: nothing pinned beyond them.
+        let p = choose_shm_cpus(
+            &alike(16),
+            &[0, 1, 2, 3, 4, 5],
+            Some(0),
+            &LocalRank::ALONE,
+            3,
+            false,
+        );
+        assert_eq!((p.proxy, p.helpers.clone()), (Some(5), vec![4, 3, 2]));
+        // Only the main's CPU allowed: shared.
+        let p = choose_shm_cpus(&alike(16), &[0], Some(0), &LocalRank::ALONE, 3, false);
+        assert_eq!((p.proxy, p.shared), (None, Some(0)));
+        // Big cores first (GB10: 5-9 and 15-19 big).
+        let cpus = CpuInfo {
+            online: (0..20).collect(),
+            big: GB10_BIG.to_vec(),
+            big_source: "test".into(),
+        };
+        let p = choose_shm_cpus(&cpus, &[], Some(19), &LocalRank::ALONE, 3, false);
+        assert_eq!((p.proxy, p.helpers.clone()), (Some(18), vec![17, 16, 15]));
+        // More copy threads than CPUs, set by hand: they share the spare.
+        let p = choose_shm_cpus(&alike(4), &[], Some(0), &LocalRank::ALONE, 5, true);
+        assert_eq!(
+            (p.proxy, p.helpers.clone(), p.threads),
+            (Some(3), vec![2, 1, 2, 1, 2], 5)
+        );
+        // By default no more than the spare CPUs.
+        let p = choose_shm_cpus(&alike(3), &[], Some(0), &LocalRank::ALONE, 3, false);
+        assert_eq!(
+            (p.proxy, p.helpers.clone(), p.threads),
+            (Some(2), vec![1], 1)
+        );
+    }
+
+    #[test]
+    fn sole_bound_cpu_reads_the_threads_binding() {
+        let r = std::thread::spawn(|| {
+            pin_current_thread(0).unwrap();
+            sole_bound_cpu()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(r, Some(0));
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if n > 1 {
+            // A fresh thread of this (unbound) test process.
+            let r = std::thread::spawn(sole_bound_cpu).join().unwrap();
+            assert_eq!(r, None);
+        }
     }
 
     #[test]

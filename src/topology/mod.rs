@@ -71,12 +71,14 @@ use crate::config::Config;
 use crate::error::Result;
 
 pub use cpu::pin_current_thread;
+pub(crate) use cpu::{choose_shm_cpus, sole_bound_cpu, ShmCpus};
 pub use gid::{format_gid, gid_drift};
 pub use ibv::ibv_devices;
 pub use ifaddr::{network, IfAddr};
 pub use memlock::{check_memlock, memlock_limits, memlock_needed};
 pub use report::{report, report_in};
 pub use sysfs::discover_in;
+pub(crate) use sysfs::{format_cpulist, shm_cpu_info};
 
 use choose::{candidates, lane_devices, lanes_on, pcie_notes};
 use cpu::choose_proxy_cpu;
@@ -277,7 +279,7 @@ impl LocalRank {
         rank: usize,
     ) -> Result<Self> {
         let mut local = LocalRank::among(hosts, rank);
-        let sole = ThreadCpus::of_current_thread().sole_cpu();
+        let sole = cpu::sole_bound_cpu();
         let mine = sole.map_or(u64::MAX, |c| c as u64);
         let all = boot.all_gather_bytes("main thread CPUs", &mine.to_le_bytes())?;
         for (r, b) in all.iter().enumerate() {
