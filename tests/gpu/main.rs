@@ -6,7 +6,9 @@
 //! `ARX_GPU_TEST_RANKS` (default `2,3`; several ranks on one GPU need MPS,
 //! which `scripts/gpu-check` starts and where it runs 2, 3, 4 and 8 ranks),
 //! bounds each run's time (`ARX_TEST_RUN_SECS`, default 240) and fails if any
-//! run fails. Every rank checks every result against the independent
+//! run fails. The ranks run under `mpirun --bind-to none`, or the binding
+//! `ARX_GPU_TEST_BIND` names (`core`: Open MPI's default at 2 ranks, where
+//! the Shm proxy must leave the caller's CPU). Every rank checks every result against the independent
 //! reference of `arx::verify`, outputs are poisoned before each call, and
 //! each case runs with both stagings (SM stores and copy engine). After each
 //! case the harness compares the digest of every result the case folded in
@@ -156,7 +158,8 @@ fn parent() -> ExitCode {
         let start = Instant::now();
         println!("gpu test: {n} ranks ...");
         let mut cmd = Command::new("mpirun");
-        cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"]);
+        let bind = std::env::var("ARX_GPU_TEST_BIND").unwrap_or_else(|_| "none".into());
+        cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", &bind]);
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } == 0 {
             cmd.arg("--allow-run-as-root");
