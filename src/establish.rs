@@ -126,9 +126,7 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         FabricKind::Shm => {
             let setup = fabric::shm::establish(&boot, &layout)?;
             let region = Arc::clone(&setup.regions[rank]);
-            let hosts: Vec<&str> = infos.iter().map(|p| p.host.as_str()).collect();
-            let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
-            let place = shm_placement(&cfg, &local, rank, want_gpu);
+            let place = shm_placement(&boot, &cfg, &layout, rank, want_gpu)?;
             topology_cpu = place.proxy;
             (
                 region,
@@ -211,8 +209,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
 }
 
 /// Where the Shm fabric's proxy and copy threads run on this rank
-/// (`topology::choose_shm_cpus`); logged, and a warning when the proxy of
-/// a GPU instance must share the caller's only CPU.
+/// (`topology::choose_shm_cpus`, from every rank's facts: the Shm fabric's
+/// ranks are one node's); logged, and a warning when the proxy of a GPU
+/// instance must share the caller's only CPU. Collective over `boot`.
 ///
 /// Only a GPU instance's threads leave a one-CPU binding: there the proxy
 /// posts every call while the caller's CUDA synchronize spins. A host
@@ -223,45 +222,81 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
 /// it keeps sharing. Test hook (tests only, not a setting):
 /// `ARX_TEST_SHM_PLACEMENT=pin` applies the GPU rule to a host instance.
 fn shm_placement(
+    boot: &Bootstrap,
     cfg: &Config,
-    local: &topology::LocalRank,
+    layout: &Layout,
     rank: usize,
     gpu: bool,
-) -> topology::ShmCpus {
+) -> Result<topology::ShmCpus> {
     let explicit = cfg.shm_copy_threads.map(|n| n as usize);
     let sole = topology::sole_bound_cpu();
-    let pin = gpu || std::env::var("ARX_TEST_SHM_PLACEMENT").as_deref() == Ok("pin");
-    if !pin || cfg.proxy_cpu.is_some() || sole.is_none() {
-        return topology::ShmCpus {
-            threads: cfg.copy_threads(local.count),
-            note: match (cfg.proxy_cpu, sole) {
-                (Some(c), _) => {
-                    format!("proxy on CPU {c} (ARX_PROXY_CPU); copy threads not pinned")
-                }
-                (None, None) => "main thread not bound to one CPU: proxy and copy threads run \
-                                 on the rank's CPUs"
-                    .into(),
-                (None, Some(c)) => format!(
-                    "host device side: the caller posts its own calls; proxy and copy threads \
-                     share the main thread's CPU {c}"
-                ),
+    let rule = gpu || std::env::var("ARX_TEST_SHM_PLACEMENT").as_deref() == Ok("pin");
+    let pin = rule && cfg.proxy_cpu.is_none() && sole.is_some();
+    let crew = fabric::shm::crew_possible(layout);
+    let mut cpus = topology::CpuInfo::default();
+    let me = if pin {
+        cpus = topology::shm_cpu_info(std::path::Path::new("/"));
+        let online = cpus.online.len().max(1);
+        let want = explicit
+            .unwrap_or_else(|| crate::config::default_copy_threads(online, online, layout.world()));
+        topology::ShmRank {
+            sole,
+            pin,
+            want: if crew { want } else { 0 },
+            explicit: explicit.is_some(),
+            allowed: topology::allowed_cpus(&cpus.online),
+        }
+    } else {
+        topology::ShmRank {
+            sole,
+            want: if crew {
+                cfg.copy_threads(layout.world())
+            } else {
+                0
             },
-            ..topology::ShmCpus::default()
+            ..topology::ShmRank::default()
+        }
+    };
+    let all = boot.all_gather_bytes("shm thread placement", &me.encode())?;
+    let ranks = all
+        .iter()
+        .map(|b| topology::ShmRank::decode(b))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| {
+            Error::Topology(format!(
+                "a malformed shm thread placement message among {} ranks",
+                all.len()
+            ))
+        })?;
+    if !pin {
+        let note = match (cfg.proxy_cpu, sole) {
+            (Some(c), _) => format!("proxy on CPU {c} (ARX_PROXY_CPU); copy threads not pinned"),
+            (None, None) => {
+                "main thread not bound to one CPU: proxy and copy threads run on the rank's CPUs"
+                    .into()
+            }
+            (None, Some(c)) => format!(
+                "host device side: the caller posts its own calls; proxy and copy threads share \
+                 the main thread's CPU {c}"
+            ),
         };
+        log::info!("arx: rank {rank}: {note}");
+        return Ok(topology::ShmCpus {
+            proxy: cfg.proxy_cpu,
+            threads: me.want,
+            note,
+            ..topology::ShmCpus::default()
+        });
     }
-    let (cpus, allowed) = topology::shm_cpu_info(std::path::Path::new("/"));
-    let online = cpus.online.len().max(1);
-    let want = explicit
-        .unwrap_or_else(|| crate::config::default_copy_threads(online, online, local.count));
-    let place = topology::choose_shm_cpus(&cpus, &allowed, sole, local, want, explicit.is_some());
+    let place = topology::choose_shm_cpus(&cpus, &ranks, rank);
     match place.shared {
         Some(c) if gpu => log::warn!(
-            "arx: rank {rank}: {}; the caller's CUDA synchronize spins on CPU {c} too, so each GPU call can \
-             wait for the scheduler (about 4 ms): give each rank two CPUs or more (mpirun \
-             --map-by slot:PE=2, or --bind-to none), or set ARX_PROXY_CPU",
+            "arx: rank {rank}: {}; the caller's CUDA synchronize spins on CPU {c} too, so each \
+             GPU call can wait for the scheduler (about 4 ms): give each rank two CPUs or more \
+             (mpirun --map-by slot:PE=2, or --bind-to none), or set ARX_PROXY_CPU",
             place.note
         ),
         _ => log::info!("arx: rank {rank}: {}", place.note),
     }
-    place
+    Ok(place)
 }

@@ -15,17 +15,16 @@
 //!    elsewhere it is reported as SKIPPED, not as passed.
 //!
 //! 4. Where the proxy and its copy threads run (`mpirun --bind-to core`
-//!    at 1 and 2 ranks, and `--bind-to none`), by the GPU instance's rule
-//!    (the test hook `ARX_TEST_SHM_PLACEMENT=pin` applies it to these host
-//!    instances): a main thread bound to one
-//!    CPU must not have its proxy on that CPU, or on another rank's main
-//!    CPU, while a CPU outside them is free for every rank (each proxy then
-//!    pinned to one CPU of its own, none shared between the node's ranks,
-//!    copy threads likewise and never on a main or proxy CPU); with no CPU
-//!    free the proxy stays on the rank's CPU; an unbound rank's threads
-//!    keep its CPUs. By the host rule (1 rank bound to one core) the
-//!    threads stay on the main's CPU. Read from `/proc/self/task`, with an
-//!    exact call.
+//!    at 1 and 2 ranks, 2 ranks bound to one `--cpu-set` CPU, and
+//!    `--bind-to none`), by the GPU instance's rule (the test hook
+//!    `ARX_TEST_SHM_PLACEMENT=pin` applies it to these host instances): of
+//!    the ranks whose main thread is bound to one CPU, as many as there are
+//!    CPUs outside every main's have their proxy pinned to one of those,
+//!    never two on one CPU, copy threads likewise and never on a main or
+//!    proxy CPU; the others' proxies stay on their main's CPU; an unbound
+//!    rank's threads keep its CPUs. By the host rule (1 rank bound to one
+//!    core) the threads stay on the main's CPU. Read from
+//!    `/proc/self/task`, with an exact call.
 //!
 //! Cases 1 and 2 use the test-only hook `ARX_TEST_SHM_FAIL=leave:<rank>` /
 //! `attach:<rank>` of `src/fabric/shm.rs`.
@@ -65,13 +64,14 @@ fn mpirun(n: usize, mode: &str, env: &[(&str, &str)]) -> Command {
     mpirun_bound(n, mode, env, None)
 }
 
-/// [`mpirun`] with `--bind-to <bind>` when given.
+/// [`mpirun`] with `--bind-to <bind>` when given (`bind` may carry more
+/// mpirun arguments after the binding, split at spaces).
 fn mpirun_bound(n: usize, mode: &str, env: &[(&str, &str)], bind: Option<&str>) -> Command {
     let exe = std::env::current_exe().expect("the test binary knows its path");
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &n.to_string(), "--oversubscribe"]);
     if let Some(b) = bind {
-        cmd.args(["--bind-to", b]);
+        cmd.arg("--bind-to").args(b.split_whitespace());
     }
     if is_root() {
         cmd.arg("--allow-run-as-root");
@@ -162,13 +162,14 @@ fn parent() -> ExitCode {
         (2, "core", "pin"),
         (2, "none", "pin"),
         (1, "core", "host"),
+        (2, "core --cpu-set 1", "pin"),
     ] {
         let t = Instant::now();
         let name = format!(
             "proxy and copy threads' CPUs, {n} rank(s), --bind-to {bind}, {} rule",
             if rule == "pin" { "GPU" } else { "host" }
         );
-        if bind == "core" && n > cpus {
+        if bind.starts_with("core") && n.max(2) > cpus {
             println!("shm test: {name}: SKIPPED, not counted as passed: {cpus} CPU(s)");
             continue;
         }
@@ -466,6 +467,10 @@ fn placement(ctx: &Ctx) -> Result<(), String> {
         .all_gather_into(&sole.map_or(u64::MAX, |c| c as u64), &mut mains[..]);
     let mut proxy_cpus = vec![0u64; ctx.n];
     ctx.world.all_gather_into(&one(proxy), &mut proxy_cpus[..]);
+    // Whether each rank's proxy left its main thread's CPUs.
+    let mut moved = vec![0u64; ctx.n];
+    ctx.world
+        .all_gather_into(&u64::from(*proxy != main), &mut moved[..]);
     let mains: Vec<usize> = mains
         .iter()
         .filter(|&&c| c != u64::MAX)
@@ -500,33 +505,49 @@ fn placement(ctx: &Ctx) -> Result<(), String> {
             .all(|(_, c)| *c == main)
             .then_some(())
             .ok_or(format!("unbound rank's copy threads moved: {text}")),
-        Some(c) if free.len() >= ctx.n => {
-            let [p] = proxy[..] else {
+        Some(c) => {
+            // Pinned proxies: exactly as many as free CPUs allow, each on
+            // a free CPU of its own; the others stay on their main's CPU.
+            let pinned: Vec<u64> = proxy_cpus
+                .iter()
+                .zip(&moved)
+                .filter(|(_, &m)| m == 1)
+                .map(|(&p, _)| p)
+                .collect();
+            if pinned.len() != free.len().min(ctx.n) {
                 return Err(format!(
-                    "proxy not pinned to one CPU though CPUs are free: {text}"
+                    "{} proxies pinned off their main's CPU, {} free CPUs for {} ranks: {text}",
+                    pinned.len(),
+                    free.len(),
+                    ctx.n
                 ));
-            };
-            if !free.contains(&p) {
-                return Err(format!("proxy on a main thread's CPU: {text}"));
             }
-            let mut seen = proxy_cpus.clone();
+            let mut seen = pinned.clone();
             seen.sort_unstable();
             seen.dedup();
-            if seen.len() != ctx.n {
-                return Err(format!("two ranks' proxies share a CPU: {text}"));
+            if seen.len() != pinned.len() || pinned.iter().any(|&p| !free.contains(&(p as usize))) {
+                return Err(format!(
+                    "pinned proxies share a CPU or sit on a main's CPU: {text}"
+                ));
+            }
+            if *proxy == [c] {
+                // Sharing: copy threads (only if set by hand) share too.
+                return copies
+                    .iter()
+                    .all(|(_, k)| *k == [c])
+                    .then_some(())
+                    .ok_or(format!("a sharing rank's copy threads moved: {text}"));
             }
             for (name, cpus) in &copies {
                 let [k] = cpus[..] else {
                     return Err(format!("{name} not pinned to one CPU: {text}"));
                 };
-                if k == c || mains.contains(&k) || proxy_cpus.contains(&(k as u64)) {
+                if k == c || mains.contains(&k) || pinned.contains(&(k as u64)) {
                     return Err(format!("{name} on a main or proxy CPU: {text}"));
                 }
             }
             Ok(())
         }
-        Some(c) if *proxy != [c] => Err(format!("no CPU free, yet the proxy moved: {text}")),
-        Some(_) => Ok(()),
     }
 }
 

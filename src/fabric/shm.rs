@@ -379,6 +379,15 @@ pub(crate) struct ShmFabric {
     stall: Option<Duration>,
 }
 
+/// Whether a post of `layout` can reach the crew's threshold ([`CREW_FROM`]
+/// over all peers): if not, no copy thread is started.
+pub(crate) fn crew_possible(layout: &Layout) -> bool {
+    let largest = layout
+        .slot_bytes()
+        .saturating_mul(layout.world().saturating_sub(1));
+    largest >= CREW_FROM
+}
+
 impl ShmFabric {
     /// The fabric over `setup`'s regions, with `place.threads` copy threads
     /// beside the proxy (`ARX_SHM_COPY_THREADS`; none for a rank without
@@ -391,8 +400,7 @@ impl ShmFabric {
     ) -> Result<Self> {
         // None where no post can reach the crew's threshold (one rank, or
         // a slot too small for it): idle threads would only take CPU.
-        let largest = layout.slot_bytes().saturating_mul(layout.world() - 1);
-        let helpers = if largest >= CREW_FROM {
+        let helpers = if crew_possible(&layout) {
             place.threads
         } else {
             0
@@ -412,9 +420,7 @@ impl ShmFabric {
                 },
                 (Some(p), true) if !place.helpers.is_empty() => format!(
                     "; proxy on CPU {p}, copy threads on CPUs {}",
-                    crate::topology::format_cpulist(
-                        &place.helpers[..helpers.min(place.helpers.len())]
-                    )
+                    crate::topology::cpu_words(&place.helpers[..helpers.min(place.helpers.len())])
                 ),
                 (Some(p), _) => format!("; proxy on CPU {p}"),
             },

@@ -204,82 +204,149 @@ pub(crate) struct ShmCpus {
     pub shared: Option<usize>,
 }
 
-/// The Shm fabric's proxy and copy threads (`threads` of them, `explicit`
-/// when the user set the count) for a rank whose main thread is bound to
-/// `sole` alone, on a node with CPUs `cpus` of which this process may use
-/// `allowed` (empty: all).
+/// One local rank's facts for the Shm placement; every local rank learns
+/// every other's (`establish::shm_placement` gathers them), so that all
+/// compute the same assignment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ShmRank {
+    /// The CPU its main thread is bound to alone, if so.
+    pub sole: Option<usize>,
+    /// Whether its threads leave that CPU (a GPU instance; never for a
+    /// rank without `sole`).
+    pub pin: bool,
+    /// The copy threads it starts.
+    pub want: usize,
+    /// `want` was set by hand (`ARX_SHM_COPY_THREADS`): started even with
+    /// too few CPUs, sharing them.
+    pub explicit: bool,
+    /// The CPUs it may be pinned to (probed: `allowed_cpus`).
+    pub allowed: Vec<usize>,
+}
+
+impl ShmRank {
+    /// As little-endian u64 words: sole (u64::MAX: none), pin, want,
+    /// explicit, then the allowed CPUs.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let head = [
+            self.sole.map_or(u64::MAX, |c| c as u64),
+            u64::from(self.pin),
+            self.want as u64,
+            u64::from(self.explicit),
+        ];
+        head.iter()
+            .copied()
+            .chain(self.allowed.iter().map(|&c| c as u64))
+            .flat_map(u64::to_le_bytes)
+            .collect()
+    }
+
+    /// [`ShmRank::encode`]'s bytes back; None when they are not whole words
+    /// or too few.
+    pub(crate) fn decode(b: &[u8]) -> Option<Self> {
+        if b.len() % 8 != 0 || b.len() < 32 {
+            return None;
+        }
+        let w: Vec<u64> = b
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+            .collect();
+        let cpu = |x: u64| usize::try_from(x).ok();
+        Some(ShmRank {
+            sole: (w[0] != u64::MAX).then(|| cpu(w[0])).flatten(),
+            pin: w[1] != 0,
+            want: cpu(w[2])?,
+            explicit: w[3] != 0,
+            allowed: w[4..].iter().map(|&x| cpu(x)).collect::<Option<_>>()?,
+        })
+    }
+}
+
+/// The Shm fabric's proxy and copy threads of local rank `me` among the
+/// node's `ranks` (in local rank order), on a node with CPUs `cpus`.
 ///
-/// For GPU instances (the caller decides; `establish::shm_placement`). A
-/// rank bound to several CPUs, or to none, keeps its threads there (the
+/// For GPU instances (`ShmRank::pin`; `establish::shm_placement`). A rank
+/// bound to several CPUs, or to none, keeps its threads there (the
 /// scheduler spreads them over the binding). A rank bound to one CPU (Open
 /// MPI's `--bind-to core`, its default at two ranks or fewer) would make
 /// its proxy share that CPU with the caller, whose CUDA synchronize spins
 /// without yielding: each GPU call then waits for a scheduler tick (4 ms
 /// measured on the H200 machine against 12 us). So the proxy and copy
-/// threads go to CPUs outside every main thread's one CPU, each local rank
-/// taking every `count`-th CPU of the same order (big cores first, high
-/// numbers first), so that the node's ranks get disjoint CPUs without
-/// talking; by default a pinned rank gets the copy threads of an unbound
-/// one, at most one per CPU of its share beyond the proxy's.
-pub(crate) fn choose_shm_cpus(
-    cpus: &CpuInfo,
-    allowed: &[usize],
-    sole: Option<usize>,
-    local: &LocalRank,
-    threads: usize,
-    explicit: bool,
-) -> ShmCpus {
-    let Some(main) = sole else {
+/// threads go to CPUs outside every main thread's one CPU: in rounds, each
+/// pinning rank in turn takes the best CPU (big cores first, high numbers
+/// first) that it may use and no one has taken, first for its proxy, then
+/// one per copy thread; with the same CPUs allowed to all, local rank i
+/// gets the i-th, (n+i)-th, ... CPU of the order. By default a rank starts
+/// no more copy threads than it got CPUs beyond the proxy's.
+pub(crate) fn choose_shm_cpus(cpus: &CpuInfo, ranks: &[ShmRank], me: usize) -> ShmCpus {
+    let Some(mine) = ranks.get(me) else {
+        return ShmCpus::default();
+    };
+    let Some(main) = mine.sole.filter(|_| mine.pin) else {
         return ShmCpus {
-            threads,
-            note: "main thread not bound to one CPU: proxy and copy threads run on the \
-                   rank's CPUs"
-                .into(),
+            threads: mine.want,
+            note: "proxy and copy threads run on the rank's CPUs".into(),
             ..ShmCpus::default()
         };
     };
-    let count = local.count.max(1);
-    let index = local.index % count;
-    let pool: Vec<usize> = proxy_cpu_order(cpus, &[])
-        .into_iter()
-        .filter(|c| *c != main && !local.main_cpus.contains(c))
-        .filter(|c| allowed.is_empty() || allowed.contains(c))
-        .collect();
-    let share: Vec<usize> = pool.iter().copied().skip(index).step_by(count).collect();
-    let Some((&proxy, rest)) = share.split_first() else {
+    let order = proxy_cpu_order(cpus, &[]);
+    let mut taken: Vec<usize> = ranks.iter().filter_map(|r| r.sole).collect();
+    let mut got: Vec<Vec<usize>> = vec![Vec::new(); ranks.len()];
+    let mut open: Vec<bool> = ranks.iter().map(|r| r.pin && r.sole.is_some()).collect();
+    while open.iter().any(|&o| o) {
+        for (i, r) in ranks.iter().enumerate() {
+            if !open[i] {
+                continue;
+            }
+            let pick = order
+                .iter()
+                .copied()
+                .find(|c| r.allowed.contains(c) && !taken.contains(c));
+            match pick {
+                Some(c) => {
+                    taken.push(c);
+                    got[i].push(c);
+                    open[i] = got[i].len() < 1 + r.want;
+                }
+                None => open[i] = false,
+            }
+        }
+    }
+    let Some((&proxy, rest)) = got[me].split_first() else {
+        let why = if cpus.online.is_empty() {
+            "the node's online CPUs are unknown".to_string()
+        } else {
+            format!(
+                "no CPU it may use is free of the node's main threads and the other local \
+                 ranks' threads (local rank {me} of {})",
+                ranks.len()
+            )
+        };
         return ShmCpus {
-            threads: if explicit { threads } else { 0 },
+            threads: if mine.explicit { mine.want } else { 0 },
             note: format!(
-                "main thread bound to CPU {main} alone and no CPU outside the node's main \
-                 threads' is free for local rank {index} of {count}: the proxy shares CPU {main}"
+                "main thread bound to CPU {main} alone and {why}: the proxy shares CPU {main}"
             ),
             shared: Some(main),
             ..ShmCpus::default()
         };
     };
-    let threads = if explicit {
-        threads
+    let threads = if mine.explicit {
+        mine.want
     } else {
-        threads.min(rest.len())
+        mine.want.min(rest.len())
     };
     // More copy threads than CPUs (only when set by hand): they share the
-    // share's CPUs beyond the proxy's, or the proxy's when there are none.
-    let spare = if rest.is_empty() { &share[..1] } else { rest };
+    // CPUs beyond the proxy's, or the proxy's when there are none.
+    let spare = if rest.is_empty() { &got[me][..1] } else { rest };
     let helpers: Vec<usize> = spare.iter().copied().cycle().take(threads).collect();
-    let mut note = format!(
+    let note = format!(
         "main thread bound to CPU {main} alone: proxy on CPU {proxy}{}",
         if helpers.is_empty() {
             String::new()
         } else {
-            format!(", copy threads on CPUs {}", format_cpulist(&helpers))
+            format!(", copy threads on CPUs {}", cpu_words(&helpers))
         }
     );
-    if count > 1 {
-        note.push_str(&format!(
-            " (local rank {index} of {count}: CPUs {} outside the main threads' are its share)",
-            format_cpulist(&share)
-        ));
-    }
     ShmCpus {
         proxy: Some(proxy),
         helpers,
@@ -287,6 +354,33 @@ pub(crate) fn choose_shm_cpus(
         note,
         shared: None,
     }
+}
+
+/// CPU numbers as written, comma-separated (a copy thread list may repeat
+/// CPUs, which a kernel CPU list cannot say).
+pub(crate) fn cpu_words(cpus: &[usize]) -> String {
+    cpus.iter()
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Which of `cpus` this process may run a thread on: each is tried on a
+/// short-lived thread with `sched_setaffinity`, which refuses CPUs outside
+/// the process's cpuset (a cgroup's, a container's) whatever the cgroup
+/// layout. All of `cpus` when the probe thread cannot start.
+pub(crate) fn allowed_cpus(cpus: &[usize]) -> Vec<usize> {
+    let list = cpus.to_vec();
+    std::thread::Builder::new()
+        .name("arx-cpu-probe".into())
+        .spawn(move || {
+            list.into_iter()
+                .filter(|&c| pin_current_thread(c).is_ok())
+                .collect()
+        })
+        .ok()
+        .and_then(|t| t.join().ok())
+        .unwrap_or_else(|| cpus.to_vec())
 }
 
 /// The one CPU the calling thread is bound to, if it is bound to exactly
@@ -584,11 +678,15 @@ mod tests {
         }
     }
 
-    fn lrm(index: usize, count: usize, mains: &[usize]) -> LocalRank {
-        LocalRank {
-            index,
-            count,
-            main_cpus: mains.to_vec(),
+    /// A pinning rank bound to `sole`, wanting `want` copy threads, allowed
+    /// `allowed` (None: every CPU of `cpus`).
+    fn pinning(cpus: &CpuInfo, sole: usize, want: usize, allowed: Option<&[usize]>) -> ShmRank {
+        ShmRank {
+            sole: Some(sole),
+            pin: true,
+            want,
+            explicit: false,
+            allowed: allowed.map_or_else(|| cpus.online.clone(), <[usize]>::to_vec),
         }
     }
 
@@ -596,8 +694,9 @@ mod tests {
     fn shm_threads_leave_a_one_cpu_binding() {
         // Open MPI's default at 2 ranks on 16 CPUs: mains on 0 and 1.
         let cpus = alike(16);
-        let a = choose_shm_cpus(&cpus, &[], Some(0), &lrm(0, 2, &[0, 1]), 3, false);
-        let b = choose_shm_cpus(&cpus, &[], Some(1), &lrm(1, 2, &[0, 1]), 3, false);
+        let ranks = [pinning(&cpus, 0, 3, None), pinning(&cpus, 1, 3, None)];
+        let a = choose_shm_cpus(&cpus, &ranks, 0);
+        let b = choose_shm_cpus(&cpus, &ranks, 1);
         assert_eq!(
             (a.proxy, a.helpers.clone(), a.threads),
             (Some(15), vec![13, 11, 9], 3)
@@ -619,68 +718,135 @@ mod tests {
         all.sort_unstable();
         all.dedup();
         assert_eq!(all.len(), 8);
+        // The encoding every rank sends round-trips.
+        for r in &ranks {
+            assert_eq!(ShmRank::decode(&r.encode()).as_ref(), Some(r));
+        }
+        assert_eq!(ShmRank::decode(&[0; 31]), None);
     }
 
     #[test]
-    fn shm_threads_stay_when_not_bound_to_one_cpu() {
-        let p = choose_shm_cpus(&alike(16), &[], None, &lrm(0, 2, &[]), 3, false);
+    fn shm_threads_stay_when_not_pinning() {
+        let cpus = alike(16);
+        let host = ShmRank {
+            sole: Some(0),
+            pin: false,
+            want: 0,
+            ..ShmRank::default()
+        };
+        let unbound = ShmRank {
+            sole: None,
+            pin: true,
+            want: 3,
+            ..ShmRank::default()
+        };
+        let ranks = [host, unbound, pinning(&cpus, 2, 3, None)];
+        let p = choose_shm_cpus(&cpus, &ranks, 0);
+        assert_eq!(
+            (p.proxy, p.helpers.len(), p.threads, p.shared),
+            (None, 0, 0, None)
+        );
+        let p = choose_shm_cpus(&cpus, &ranks, 1);
         assert_eq!(
             (p.proxy, p.helpers.len(), p.threads, p.shared),
             (None, 0, 3, None)
         );
+        // The pinning rank avoids the host rank's main CPU too.
+        let p = choose_shm_cpus(&cpus, &ranks, 2);
+        assert_eq!((p.proxy, p.helpers.clone()), (Some(15), vec![14, 13, 12]));
     }
 
     #[test]
     fn shm_proxy_shares_when_no_cpu_is_free() {
         // CI's 2 CPUs, 2 ranks bound one each.
-        let p = choose_shm_cpus(&alike(2), &[], Some(1), &lrm(1, 2, &[0, 1]), 3, false);
+        let cpus = alike(2);
+        let ranks = [pinning(&cpus, 0, 3, None), pinning(&cpus, 1, 3, None)];
+        let p = choose_shm_cpus(&cpus, &ranks, 1);
         assert_eq!((p.proxy, p.threads, p.shared), (None, 0, Some(1)));
         assert!(p.note.contains("shares CPU 1"), "{}", p.note);
         // Copy threads set by hand are still started (not pinned).
-        let p = choose_shm_cpus(&alike(2), &[], Some(1), &lrm(1, 2, &[0, 1]), 2, true);
+        let mut by_hand = ranks.clone();
+        by_hand[1].explicit = true;
+        by_hand[1].want = 2;
+        let p = choose_shm_cpus(&cpus, &by_hand, 1);
         assert_eq!((p.proxy, p.threads, p.helpers.len()), (None, 2, 0));
-        // 3 CPUs, 2 bound ranks: one free CPU goes to local rank 0 only.
-        let a = choose_shm_cpus(&alike(3), &[], Some(0), &lrm(0, 2, &[0, 1]), 3, false);
-        let b = choose_shm_cpus(&alike(3), &[], Some(1), &lrm(1, 2, &[0, 1]), 3, false);
+        // 3 CPUs, 2 bound ranks: the one free CPU goes to local rank 0.
+        let cpus = alike(3);
+        let ranks = [pinning(&cpus, 0, 3, None), pinning(&cpus, 1, 3, None)];
+        let a = choose_shm_cpus(&cpus, &ranks, 0);
+        let b = choose_shm_cpus(&cpus, &ranks, 1);
         assert_eq!((a.proxy, a.threads, a.shared), (Some(2), 0, None));
         assert_eq!((b.proxy, b.shared), (None, Some(1)));
+        // Online CPUs unknown: shared, and the note says why.
+        let none = CpuInfo::default();
+        let p = choose_shm_cpus(&none, &[pinning(&none, 0, 3, Some(&[]))], 0);
+        assert_eq!(p.shared, Some(0));
+        assert!(p.note.contains("unknown"), "{}", p.note);
     }
 
     #[test]
-    fn shm_threads_respect_the_cgroup_and_big_cores() {
-        // The cgroup allows CPUs 0-5 only: nothing pinned beyond them.
-        let p = choose_shm_cpus(
-            &alike(16),
-            &[0, 1, 2, 3, 4, 5],
-            Some(0),
-            &LocalRank::ALONE,
-            3,
-            false,
-        );
+    fn shm_threads_respect_allowed_cpus_and_big_cores() {
+        // This process may use CPUs 0-5 only: nothing pinned beyond them.
+        let cpus = alike(16);
+        let few = [0, 1, 2, 3, 4, 5];
+        let p = choose_shm_cpus(&cpus, &[pinning(&cpus, 0, 3, Some(&few))], 0);
         assert_eq!((p.proxy, p.helpers.clone()), (Some(5), vec![4, 3, 2]));
         // Only the main's CPU allowed: shared.
-        let p = choose_shm_cpus(&alike(16), &[0], Some(0), &LocalRank::ALONE, 3, false);
+        let p = choose_shm_cpus(&cpus, &[pinning(&cpus, 0, 3, Some(&[0]))], 0);
         assert_eq!((p.proxy, p.shared), (None, Some(0)));
+        // Ranks allowed different CPUs never get the same one (4 CPUs,
+        // mains 0 and 1; rank 0 may use 0-2, rank 1 all).
+        let cpus = alike(4);
+        let ranks = [
+            pinning(&cpus, 0, 0, Some(&[0, 1, 2])),
+            pinning(&cpus, 1, 0, None),
+        ];
+        let a = choose_shm_cpus(&cpus, &ranks, 0);
+        let b = choose_shm_cpus(&cpus, &ranks, 1);
+        assert_eq!((a.proxy, b.proxy), (Some(2), Some(3)));
+        // Each rank's own cpuset (per-task cgroups): its own CPUs.
+        let cpus = alike(4);
+        let ranks = [
+            pinning(&cpus, 0, 1, Some(&[0, 1])),
+            pinning(&cpus, 2, 1, Some(&[2, 3])),
+        ];
+        let a = choose_shm_cpus(&cpus, &ranks, 0);
+        let b = choose_shm_cpus(&cpus, &ranks, 1);
+        assert_eq!(
+            (a.proxy, a.threads, b.proxy, b.threads),
+            (Some(1), 0, Some(3), 0)
+        );
         // Big cores first (GB10: 5-9 and 15-19 big).
         let cpus = CpuInfo {
             online: (0..20).collect(),
             big: GB10_BIG.to_vec(),
             big_source: "test".into(),
         };
-        let p = choose_shm_cpus(&cpus, &[], Some(19), &LocalRank::ALONE, 3, false);
+        let p = choose_shm_cpus(&cpus, &[pinning(&cpus, 19, 3, None)], 0);
         assert_eq!((p.proxy, p.helpers.clone()), (Some(18), vec![17, 16, 15]));
         // More copy threads than CPUs, set by hand: they share the spare.
-        let p = choose_shm_cpus(&alike(4), &[], Some(0), &LocalRank::ALONE, 5, true);
+        let cpus = alike(4);
+        let mut r = pinning(&cpus, 0, 5, None);
+        r.explicit = true;
+        let p = choose_shm_cpus(&cpus, &[r], 0);
         assert_eq!(
             (p.proxy, p.helpers.clone(), p.threads),
             (Some(3), vec![2, 1, 2, 1, 2], 5)
         );
+        assert!(p.note.contains("CPUs 2,1,2,1,2"), "{}", p.note);
         // By default no more than the spare CPUs.
-        let p = choose_shm_cpus(&alike(3), &[], Some(0), &LocalRank::ALONE, 3, false);
+        let cpus = alike(3);
+        let p = choose_shm_cpus(&cpus, &[pinning(&cpus, 0, 3, None)], 0);
         assert_eq!(
             (p.proxy, p.helpers.clone(), p.threads),
             (Some(2), vec![1], 1)
         );
+    }
+
+    #[test]
+    fn allowed_cpus_are_probed() {
+        // CPU 0 exists everywhere; one past the set's size never does.
+        assert_eq!(allowed_cpus(&[0, 1 << 20]), [0]);
     }
 
     #[test]

@@ -71,14 +71,14 @@ use crate::config::Config;
 use crate::error::Result;
 
 pub use cpu::pin_current_thread;
-pub(crate) use cpu::{choose_shm_cpus, sole_bound_cpu, ShmCpus};
+pub(crate) use cpu::{allowed_cpus, choose_shm_cpus, cpu_words, sole_bound_cpu, ShmCpus, ShmRank};
 pub use gid::{format_gid, gid_drift};
 pub use ibv::ibv_devices;
 pub use ifaddr::{network, IfAddr};
 pub use memlock::{check_memlock, memlock_limits, memlock_needed};
 pub use report::{report, report_in};
 pub use sysfs::discover_in;
-pub(crate) use sysfs::{format_cpulist, shm_cpu_info};
+pub(crate) use sysfs::shm_cpu_info;
 
 use choose::{candidates, lane_devices, lanes_on, pcie_notes};
 use cpu::choose_proxy_cpu;

@@ -90,7 +90,7 @@ fn parse_cpulist(s: &str) -> Vec<usize> {
 }
 
 /// Formats a CPU list compactly (`5-9,15-19`).
-pub(crate) fn format_cpulist(cpus: &[usize]) -> String {
+pub(super) fn format_cpulist(cpus: &[usize]) -> String {
     let mut out = Vec::new();
     let mut i = 0;
     while i < cpus.len() {
@@ -416,53 +416,19 @@ pub fn discover_in(sysfs_root: &Path, hwloc: HwlocSource<'_>) -> Result<Discover
 
 /// The node's CPUs for placing the Shm fabric's proxy and copy threads
 /// (no RDMA device involved): online CPUs and big cores from sysfs under
-/// `root` (`/` for the live system), and `allowed`, the CPUs this
-/// process's cgroup lets it use (cgroup v2 `cpuset.cpus.effective`, else
-/// v1 `cpuset.effective_cpus`; empty when no cgroup limits them).
-pub(crate) fn shm_cpu_info(root: &Path) -> (CpuInfo, Vec<usize>) {
+/// `root` (`/` for the live system). Which of them this process may use
+/// is probed (`cpu::allowed_cpus`), not read from cgroup files, whose
+/// layout differs between cgroup versions and containers.
+pub(crate) fn shm_cpu_info(root: &Path) -> CpuInfo {
     let online = read_trim(&root.join("sys/devices/system/cpu/online"))
         .map(|s| parse_cpulist(&s))
         .unwrap_or_default();
     let (big, big_source) = big_cores_sysfs(root, &online);
-    let info = CpuInfo {
+    CpuInfo {
         online,
         big,
         big_source,
-    };
-    (info, cgroup_cpus(root))
-}
-
-/// The cpuset of this process's cgroup, from `root/proc/self/cgroup`
-/// (empty when unknown or unset).
-fn cgroup_cpus(root: &Path) -> Vec<usize> {
-    let Some(groups) = std::fs::read_to_string(root.join("proc/self/cgroup")).ok() else {
-        return Vec::new();
-    };
-    for line in groups.lines() {
-        // "0::/path" (v2) or "N:cpuset,...:/path" (v1).
-        let mut f = line.splitn(3, ':');
-        let (Some(_), Some(ctrl), Some(path)) = (f.next(), f.next(), f.next()) else {
-            continue;
-        };
-        let rel = path.trim_start_matches('/');
-        let file = if ctrl.is_empty() {
-            root.join("sys/fs/cgroup")
-                .join(rel)
-                .join("cpuset.cpus.effective")
-        } else if ctrl.split(',').any(|c| c == "cpuset") {
-            root.join("sys/fs/cgroup/cpuset")
-                .join(rel)
-                .join("cpuset.effective_cpus")
-        } else {
-            continue;
-        };
-        if let Some(cpus) = read_trim(&file).map(|s| parse_cpulist(&s)) {
-            if !cpus.is_empty() {
-                return cpus;
-            }
-        }
     }
-    Vec::new()
 }
 
 #[cfg(test)]
@@ -547,38 +513,13 @@ mod tests {
     }
 
     #[test]
-    fn shm_cpu_info_reads_online_and_the_cgroup() {
-        let base = std::env::temp_dir().join(format!("arx-cg-{}", std::process::id()));
+    fn shm_cpu_info_reads_online() {
+        let base = std::env::temp_dir().join(format!("arx-cpus-{}", std::process::id()));
         let _ = fs::remove_dir_all(&base);
-        let w = |p: &str, t: &str| {
-            let f = base.join(p);
-            fs::create_dir_all(f.parent().unwrap()).unwrap();
-            fs::write(f, t).unwrap();
-        };
-        w("sys/devices/system/cpu/online", "0-7\n");
-        // No cgroup file: no limit.
-        let (c, allowed) = shm_cpu_info(&base);
-        assert_eq!((c.online, allowed), ((0..8).collect::<Vec<_>>(), vec![]));
-        // cgroup v2.
-        w("proc/self/cgroup", "0::/job/step_0/task_1\n");
-        w(
-            "sys/fs/cgroup/job/step_0/task_1/cpuset.cpus.effective",
-            "2-3,6\n",
-        );
-        assert_eq!(shm_cpu_info(&base).1, [2, 3, 6]);
-        // cgroup v1: the cpuset line, not the first.
-        w(
-            "proc/self/cgroup",
-            "5:memory:/x\n4:cpuset,cpu:/slurm/uid_0/job_7\n",
-        );
-        w(
-            "sys/fs/cgroup/cpuset/slurm/uid_0/job_7/cpuset.effective_cpus",
-            "4-5",
-        );
-        assert_eq!(shm_cpu_info(&base).1, [4, 5]);
-        // A cgroup without a cpuset file: no limit.
-        w("proc/self/cgroup", "0::/other\n");
-        assert!(shm_cpu_info(&base).1.is_empty());
+        fs::create_dir_all(base.join("sys/devices/system/cpu")).unwrap();
+        assert!(shm_cpu_info(&base).online.is_empty());
+        fs::write(base.join("sys/devices/system/cpu/online"), "0-3,6\n").unwrap();
+        assert_eq!(shm_cpu_info(&base).online, [0, 1, 2, 3, 6]);
         let _ = fs::remove_dir_all(&base);
     }
 
