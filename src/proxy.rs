@@ -329,7 +329,7 @@ impl Proxy {
                 .and_then(|d| now.checked_add(d))
                 .unwrap_or(now);
             while !t.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
+                crate::spin::sleep(Duration::from_millis(1));
             }
             if t.is_finished() {
                 let _ = t.join();

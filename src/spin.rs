@@ -42,7 +42,7 @@ impl Backoff {
     #[inline]
     pub(crate) fn idle(&mut self) {
         if self.spin() {
-            std::thread::sleep(NAP);
+            sleep(NAP);
         }
     }
 
@@ -87,6 +87,40 @@ impl Backoff {
     #[inline]
     pub(crate) fn reset(&mut self) {
         self.rounds = 0;
+    }
+}
+
+/// Sleeps for `d`, to a deadline on the monotonic clock.
+///
+/// Not `std::thread::sleep`: that resumes an interrupted `nanosleep` with
+/// the remaining time the kernel reports, which counts the thread's timer
+/// slack (50 us by default). Under signals more frequent than the slack (a
+/// sampling profiler's timer, a 20 us `SIGALRM` without `SA_RESTART`) the
+/// remaining time grows with each interruption and the sleep never ends:
+/// capi/tests/signals_host hung in about one start-up in four, in a
+/// bootstrap wait whose bound is checked only between naps. Resuming to the
+/// same absolute deadline ends whatever the signals.
+pub(crate) fn sleep(d: Duration) {
+    // SAFETY: clock_gettime and clock_nanosleep read and write only the
+    // timespec given; CLOCK_MONOTONIC always exists on Linux.
+    unsafe {
+        let mut t: libc::timespec = std::mem::zeroed();
+        if libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) != 0 {
+            return;
+        }
+        let ns = t.tv_nsec as u64 + u64::from(d.subsec_nanos());
+        let secs = i64::try_from(d.as_secs()).unwrap_or(i64::MAX / 2);
+        t.tv_sec = t
+            .tv_sec
+            .saturating_add((secs + (ns / 1_000_000_000) as i64) as libc::time_t);
+        t.tv_nsec = (ns % 1_000_000_000) as _;
+        while libc::clock_nanosleep(
+            libc::CLOCK_MONOTONIC,
+            libc::TIMER_ABSTIME,
+            &t,
+            std::ptr::null_mut(),
+        ) == libc::EINTR
+        {}
     }
 }
 
@@ -136,8 +170,82 @@ pub(crate) fn settle(
 
 #[cfg(test)]
 mod tests {
-    use super::{settle, SETTLE, SETTLE_MAX};
+    use super::{settle, sleep, SETTLE, SETTLE_MAX};
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    static HITS: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn count(_: libc::c_int) {
+        HITS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Naps and a longer sleep under a 20 us timer signal aimed at the
+    /// sleeping thread alone (no `SA_RESTART`): they end, and about on
+    /// time. `std::thread::sleep` in their place never returns.
+    #[test]
+    fn sleeps_end_under_a_dense_timer_signal() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // SAFETY: a handler that only bumps an atomic (async-signal
+            // safe) for a real-time signal nothing else here uses; the
+            // timer is aimed at this thread (SIGEV_THREAD_ID) and deleted
+            // before the thread ends.
+            let r = unsafe {
+                let sig = libc::SIGRTMIN() + 5;
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = count as extern "C" fn(libc::c_int) as usize;
+                assert_eq!(libc::sigaction(sig, &sa, std::ptr::null_mut()), 0);
+                let mut ev: libc::sigevent = std::mem::zeroed();
+                ev.sigev_notify = libc::SIGEV_THREAD_ID;
+                ev.sigev_signo = sig;
+                ev.sigev_notify_thread_id = libc::syscall(libc::SYS_gettid) as libc::c_int;
+                let mut timer: libc::timer_t = std::mem::zeroed();
+                assert_eq!(
+                    libc::timer_create(libc::CLOCK_MONOTONIC, &mut ev, &mut timer),
+                    0
+                );
+                let every = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 20_000,
+                };
+                let spec = libc::itimerspec {
+                    it_interval: every,
+                    it_value: every,
+                };
+                assert_eq!(
+                    libc::timer_settime(timer, 0, &spec, std::ptr::null_mut()),
+                    0
+                );
+                let start = Instant::now();
+                for _ in 0..2000 {
+                    sleep(Duration::from_micros(50));
+                }
+                let naps = start.elapsed();
+                let start = Instant::now();
+                sleep(Duration::from_millis(30));
+                let long = start.elapsed();
+                libc::timer_delete(timer);
+                (naps, long)
+            };
+            let _ = tx.send(r);
+        });
+        let (naps, long) = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("sleeps under a 20 us timer signal did not end in 30 s");
+        assert!(
+            HITS.load(Ordering::Relaxed) > 100,
+            "the timer signal did not arrive"
+        );
+        assert!(
+            naps >= Duration::from_millis(100),
+            "2000 naps of 50 us in {naps:?}"
+        );
+        assert!(
+            long >= Duration::from_millis(30),
+            "a 30 ms sleep took {long:?}"
+        );
+    }
 
     /// The word CI read: the low half and two bytes of the high half of
     /// `48f7a6eb_00000001` landed, the last two bytes not yet.

@@ -221,7 +221,7 @@ mod tests {
             Mark::End,
         ] {
             t.mark(m, 7);
-            std::thread::sleep(Duration::from_micros(50));
+            crate::spin::sleep(Duration::from_micros(50));
         }
         let s = t.read();
         assert_eq!(s.seq, 7);

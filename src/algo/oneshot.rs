@@ -212,7 +212,7 @@ pub(crate) fn pipelined<T: Element>(
             env.link.wake();
         }
         if let Some(d) = env.cfg.sum_delay {
-            std::thread::sleep(d);
+            crate::spin::sleep(d);
         }
         let base = protocol::data_base(f, env.layout.slot_bytes());
         let range = chunk.range.clone();

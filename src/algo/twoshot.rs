@@ -232,7 +232,7 @@ pub(crate) fn pipelined<T: Element>(
             return (s1, Err(e));
         }
         if let Some(d) = env.cfg.sum_delay {
-            std::thread::sleep(d);
+            crate::spin::sleep(d);
         }
         let own_input: Option<&[u8]> =
             input.map(|i| &bytemuck::cast_slice(&i[range.clone()])[at..mine.end * esize]);
@@ -267,7 +267,7 @@ pub(crate) fn pipelined<T: Element>(
             link.wake();
         }
         if let Some(d) = env.cfg.sum_delay {
-            std::thread::sleep(d);
+            crate::spin::sleep(d);
         }
         let out = &mut io.output[chunk.range.clone()];
         for q in layout.peers() {

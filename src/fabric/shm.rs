@@ -550,7 +550,7 @@ impl Job {
                     .name()
                     .is_some_and(|n| n.starts_with("arx-copy"))
                 {
-                    std::thread::sleep(d);
+                    crate::spin::sleep(d);
                 }
             }
             // SAFETY: the call was published and is posted in order (the
