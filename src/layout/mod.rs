@@ -96,13 +96,13 @@ pub(crate) fn check_pages(
 }
 
 /// The page every rank aligns to: the largest any rank reported (a multiple
-/// of all the others, pages being powers of two). `pages[r]` is rank r's
-/// all-gathered report: its page size as 8 little-endian bytes, 0 if it
-/// could not read it.
-fn largest_page(pages: &[Vec<u8>]) -> Result<usize> {
+/// of all the others, pages being powers of two). `pages[r]` is the page
+/// half of rank r's report ([`agree_page_and_slot`]): 8 little-endian
+/// bytes, 0 if it could not read it.
+fn largest_page(pages: &[&[u8]]) -> Result<usize> {
     let mut largest = 0;
     for (peer, b) in pages.iter().enumerate() {
-        let p = <[u8; 8]>::try_from(b.as_slice())
+        let p = <[u8; 8]>::try_from(*b)
             .map(u64::from_le_bytes)
             .ok()
             .and_then(|p| usize::try_from(p).ok())
@@ -114,6 +114,54 @@ fn largest_page(pages: &[Vec<u8>]) -> Result<usize> {
         largest = largest.max(p);
     }
     Ok(largest)
+}
+
+/// What each rank reports to [`Layout::agreed`]: its kernel's page size (0
+/// if it could not read it) and the slot size it was given, 8
+/// little-endian bytes each.
+fn page_and_slot_report(page: u64, slot_bytes: u64) -> Vec<u8> {
+    [page.to_le_bytes(), slot_bytes.to_le_bytes()].concat()
+}
+
+/// The page every rank aligns to and the check that the ranks' slot sizes
+/// agree once rounded up to it, decided identically on every rank from the
+/// all-gathered reports ([`page_and_slot_report`]). Slot sizes are compared
+/// after rounding: 4000 and 4096 bytes both make slots of one page, so
+/// ranks given either agree; sizes that round apart are an
+/// [`Error::Mismatch`] on `ARX_SLOT_BYTES` naming the first rank that
+/// differs from rank 0, with both sizes as given and as rounded.
+fn agree_page_and_slot(reports: &[Vec<u8>]) -> Result<usize> {
+    let mut pages = Vec::with_capacity(reports.len());
+    let mut slots = Vec::with_capacity(reports.len());
+    for (peer, b) in reports.iter().enumerate() {
+        if b.len() != 16 {
+            return Err(Error::PeerFailed {
+                peer,
+                reason: format!("sent a page and slot report of {} bytes, not 16", b.len()),
+            });
+        }
+        let (page, slot) = b.split_at(8);
+        pages.push(page);
+        slots.push(u64::from_le_bytes(slot.try_into().expect("8 bytes")));
+    }
+    let page = largest_page(&pages)?;
+    let align = page.max(MIN_ALIGN) as u64;
+    // `None` for a size too large to round (every rank refuses it later).
+    let rounded = |s: u64| s.checked_next_multiple_of(align);
+    let shown = |s: u64| match rounded(s) {
+        Some(r) if r == s => s.to_string(),
+        Some(r) => format!("{s} (slots of {r} bytes in {align}-byte pages)"),
+        None => format!("{s} (too large to round to {align}-byte pages)"),
+    };
+    if let Some(rank) = slots.iter().position(|&s| rounded(s) != rounded(slots[0])) {
+        return Err(Error::Mismatch {
+            what: "ARX_SLOT_BYTES",
+            rank,
+            ours: shown(slots[0]),
+            theirs: shown(slots[rank]),
+        });
+    }
+    Ok(page)
 }
 
 /// Offsets of one instance's region.
@@ -136,7 +184,9 @@ impl Layout {
     /// largest page any rank's kernel reports: the Verbs fabric writes at
     /// offsets into peers' regions that it computes from its own layout, so
     /// a 4 KiB x86 node and a 64 KiB aarch64 node must not each align to
-    /// their own page. Collective over `boot`.
+    /// their own page. The ranks' slot sizes must agree once rounded up to
+    /// that page ([`Error::Mismatch`] on `ARX_SLOT_BYTES` otherwise, the
+    /// same on every rank). Collective over `boot`.
     pub(crate) fn agreed(
         boot: &Bootstrap,
         world: usize,
@@ -144,10 +194,11 @@ impl Layout {
         slot_bytes: usize,
     ) -> Result<Self> {
         let local = page_size();
-        let report = local.as_ref().map_or(0, |&p| p as u64);
-        let pages = boot.all_gather_bytes("page size", &report.to_le_bytes())?;
+        let report =
+            page_and_slot_report(local.as_ref().map_or(0, |&p| p as u64), slot_bytes as u64);
+        let reports = boot.all_gather_bytes("page and slot sizes", &report)?;
         local?;
-        Self::with_page(world, rank, slot_bytes, largest_page(&pages)?)
+        Self::with_page(world, rank, slot_bytes, agree_page_and_slot(&reports)?)
     }
 
     /// Computes the layout with sections and slots aligned to `page` bytes

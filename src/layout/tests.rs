@@ -120,11 +120,14 @@ fn pages_below_4k_still_align_to_4k_and_odd_pages_are_refused() {
 
 #[test]
 fn ranks_agree_on_the_largest_page() {
-    let report = |p: u64| p.to_le_bytes().to_vec();
+    let report = |p: u64| page_and_slot_report(p, 1 << 20);
     // An x86 node (4 KiB) with a 64 KiB aarch64 node: both use 64 KiB.
     let mixed = [report(4096), report(65536), report(16384)];
-    assert_eq!(largest_page(&mixed).unwrap(), 65536);
-    assert_eq!(largest_page(&[report(4096), report(4096)]).unwrap(), 4096);
+    assert_eq!(agree_page_and_slot(&mixed).unwrap(), 65536);
+    assert_eq!(
+        agree_page_and_slot(&[report(4096), report(4096)]).unwrap(),
+        4096
+    );
     // A rank that could not read its page (0), reported garbage or a
     // short record is named.
     for (bad, rank) in [
@@ -132,14 +135,59 @@ fn ranks_agree_on_the_largest_page() {
         (vec![report(12288), report(4096)], 0),
         (vec![report(4096), report(4096), vec![0, 16]], 2),
     ] {
-        match largest_page(&bad) {
+        match agree_page_and_slot(&bad) {
             Err(Error::PeerFailed { peer, reason }) => {
                 assert_eq!(peer, rank, "{reason}");
-                assert!(reason.contains("page size"), "{reason}");
+                assert!(reason.contains("page"), "{reason}");
             }
             other => panic!("expected PeerFailed naming rank {rank}, got {other:?}"),
         }
     }
+}
+
+#[test]
+fn slot_sizes_are_compared_after_rounding_to_the_agreed_page() {
+    let r = page_and_slot_report;
+    // 4000 and 4096 bytes both make one-page slots on 4 KiB pages.
+    assert_eq!(
+        agree_page_and_slot(&[r(4096, 4096), r(4096, 4000)]).unwrap(),
+        4096
+    );
+    // 4096 and 65536 differ on 4 KiB pages...
+    let e = agree_page_and_slot(&[r(4096, 4096), r(4096, 4096), r(4096, 65536)]).unwrap_err();
+    match &e {
+        Error::Mismatch {
+            what,
+            rank,
+            ours,
+            theirs,
+        } => {
+            assert_eq!((*what, *rank), ("ARX_SLOT_BYTES", 2));
+            assert_eq!((ours.as_str(), theirs.as_str()), ("4096", "65536"));
+        }
+        other => panic!("expected a slot size Mismatch, got {other:?}"),
+    }
+    // ...but not once one rank's kernel has 64 KiB pages: every rank uses
+    // that page and both round to one of it.
+    assert_eq!(
+        agree_page_and_slot(&[r(4096, 4096), r(65536, 65536)]).unwrap(),
+        65536
+    );
+    // A difference that survives rounding names both sizes as given and
+    // as rounded.
+    let e = agree_page_and_slot(&[r(4096, 5000), r(4096, 4000)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("rank 1 has 4000 (slots of 4096 bytes in 4096-byte pages)"),
+        "{e}"
+    );
+    assert!(e.contains("rank 0 has 5000 (slots of 8192 bytes"), "{e}");
+    // A size too large to round is a mismatch rather than an overflow.
+    let e = agree_page_and_slot(&[r(4096, 4096), r(4096, u64::MAX)])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("too large to round"), "{e}");
 }
 
 #[test]

@@ -45,7 +45,26 @@ pub(super) fn config_mismatch(ctx: &Ctx) -> Result<(), String> {
     if t.elapsed() > Duration::from_secs(30) {
         return Err(format!("mismatch detection took {:?}", t.elapsed()));
     }
-    Ok(())
+    // Slot sizes that round up to the same whole pages agree: the odd rank
+    // asks for 100 bytes less than the others, and every rank's slot is
+    // the default's pages.
+    let b = if odd {
+        builder().slot_bytes(arx::DEFAULT_SLOT_BYTES - 100)
+    } else {
+        builder().slot_bytes(arx::DEFAULT_SLOT_BYTES)
+    };
+    let mut arx = b
+        .build(ctx.world)
+        .map_err(|e| format!("slot sizes that round alike: {e}"))?;
+    if arx.max_count::<f32>() * 4 != arx::DEFAULT_SLOT_BYTES {
+        return Err(format!(
+            "slot sizes that round alike: {} f32 elements per slot on rank {}",
+            arx.max_count::<f32>(),
+            ctx.rank
+        ));
+    }
+    let n = arx.max_count::<f32>();
+    checked::<f32>(ctx, &mut arx, 3, n, false)
 }
 
 pub(super) fn length_mismatch(ctx: &Ctx) -> Result<(), String> {
