@@ -245,6 +245,7 @@ fn shm_placement(
             want: if crew { want } else { 0 },
             explicit: explicit.is_some(),
             allowed: topology::allowed_cpus(&cpus.online),
+            claimed: topology::claimed_cpus(),
         }
     } else {
         topology::ShmRank {

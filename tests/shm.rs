@@ -491,63 +491,186 @@ fn placement(ctx: &Ctx) -> Result<(), String> {
     }
     // The host rule: the proxy shares the main thread's CPUs, bound or not.
     let gpu_rule = std::env::var("ARX_TEST_SHM_PLACEMENT").as_deref() == Ok("pin");
-    if !gpu_rule {
-        return (*proxy == main && copies.iter().all(|(_, c)| *c == main))
-            .then_some(())
-            .ok_or(format!(
-                "a host instance's threads left the main's CPUs: {text}"
-            ));
-    }
-    match sole {
-        None if *proxy != main => Err(format!("unbound rank's proxy moved: {text}")),
-        None => copies
-            .iter()
-            .all(|(_, c)| *c == main)
-            .then_some(())
-            .ok_or(format!("unbound rank's copy threads moved: {text}")),
-        Some(c) => {
-            // Pinned proxies: exactly as many as free CPUs allow, each on
-            // a free CPU of its own; the others stay on their main's CPU.
-            let pinned: Vec<u64> = proxy_cpus
-                .iter()
-                .zip(&moved)
-                .filter(|(_, &m)| m == 1)
-                .map(|(&p, _)| p)
-                .collect();
-            if pinned.len() != free.len().min(ctx.n) {
-                return Err(format!(
-                    "{} proxies pinned off their main's CPU, {} free CPUs for {} ranks: {text}",
-                    pinned.len(),
-                    free.len(),
-                    ctx.n
+    let first = (|| {
+        if !gpu_rule {
+            return (*proxy == main && copies.iter().all(|(_, c)| *c == main))
+                .then_some(())
+                .ok_or(format!(
+                    "a host instance's threads left the main's CPUs: {text}"
                 ));
-            }
-            let mut seen = pinned.clone();
-            seen.sort_unstable();
-            seen.dedup();
-            if seen.len() != pinned.len() || pinned.iter().any(|&p| !free.contains(&(p as usize))) {
-                return Err(format!(
-                    "pinned proxies share a CPU or sit on a main's CPU: {text}"
-                ));
-            }
-            if *proxy == [c] {
-                // Sharing: copy threads (only if set by hand) share too.
-                return copies
-                    .iter()
-                    .all(|(_, k)| *k == [c])
-                    .then_some(())
-                    .ok_or(format!("a sharing rank's copy threads moved: {text}"));
-            }
-            for (name, cpus) in &copies {
-                let [k] = cpus[..] else {
-                    return Err(format!("{name} not pinned to one CPU: {text}"));
-                };
-                if k == c || mains.contains(&k) || pinned.contains(&(k as u64)) {
-                    return Err(format!("{name} on a main or proxy CPU: {text}"));
-                }
-            }
-            Ok(())
         }
+        match sole {
+            None if *proxy != main => Err(format!("unbound rank's proxy moved: {text}")),
+            None => copies
+                .iter()
+                .all(|(_, c)| *c == main)
+                .then_some(())
+                .ok_or(format!("unbound rank's copy threads moved: {text}")),
+            Some(c) => {
+                // Pinned proxies: exactly as many as free CPUs allow, each on
+                // a free CPU of its own; the others stay on their main's CPU.
+                let pinned: Vec<u64> = proxy_cpus
+                    .iter()
+                    .zip(&moved)
+                    .filter(|(_, &m)| m == 1)
+                    .map(|(&p, _)| p)
+                    .collect();
+                if pinned.len() != free.len().min(ctx.n) {
+                    return Err(format!(
+                        "{} proxies pinned off their main's CPU, {} free CPUs for {} ranks: {text}",
+                        pinned.len(),
+                        free.len(),
+                        ctx.n
+                    ));
+                }
+                let mut seen = pinned.clone();
+                seen.sort_unstable();
+                seen.dedup();
+                if seen.len() != pinned.len()
+                    || pinned.iter().any(|&p| !free.contains(&(p as usize)))
+                {
+                    return Err(format!(
+                        "pinned proxies share a CPU or sit on a main's CPU: {text}"
+                    ));
+                }
+                if *proxy == [c] {
+                    // Sharing: copy threads (only if set by hand) share too.
+                    return copies
+                        .iter()
+                        .all(|(_, k)| *k == [c])
+                        .then_some(())
+                        .ok_or(format!("a sharing rank's copy threads moved: {text}"));
+                }
+                for (name, cpus) in &copies {
+                    let [k] = cpus[..] else {
+                        return Err(format!("{name} not pinned to one CPU: {text}"));
+                    };
+                    if k == c || mains.contains(&k) || pinned.contains(&(k as u64)) {
+                        return Err(format!("{name} on a main or proxy CPU: {text}"));
+                    }
+                }
+                Ok(())
+            }
+        }
+    })();
+    // Every rank bound to one CPU and every rank's checks passed (the same
+    // answer on every rank): a second instance beside the first, then a
+    // third once both are gone.
+    let mut all_ok = 0u64;
+    ctx.world.all_reduce_into(
+        &u64::from(first.is_ok()),
+        &mut all_ok,
+        SystemOperation::min(),
+    );
+    if gpu_rule && mains.len() == ctx.n && all_ok == 1 {
+        return instances_apart(ctx, arx, proxy, &copies, &free, &text);
+    }
+    first
+}
+
+/// Case 4 with every rank bound to one CPU, after the first instance's
+/// own checks: a second instance's proxy avoids the CPUs the first one's
+/// threads hold on every rank, where enough are free; a third, made after
+/// both are dropped, gets the first one's CPU again (the claims ended).
+fn instances_apart(
+    ctx: &Ctx,
+    first: Arx,
+    proxy: &[usize],
+    copies: &[(String, Vec<usize>)],
+    free: &[usize],
+    text: &str,
+) -> Result<(), String> {
+    const MAX: usize = 16;
+    let one = |v: &[usize]| if v.len() == 1 { v[0] as u64 } else { u64::MAX };
+    // Every rank's first-instance threads' CPUs (u64::MAX: none).
+    let mut mine = [u64::MAX; MAX];
+    for (w, c) in mine
+        .iter_mut()
+        .zip(std::iter::once(one(proxy)).chain(copies.iter().map(|(_, c)| one(c))))
+    {
+        *w = c;
+    }
+    let mut held = vec![0u64; MAX * ctx.n];
+    ctx.world.all_gather_into(&mine[..], &mut held[..]);
+    let second = builder()
+        .build(ctx.world)
+        .map_err(|e| format!("second Arx::new: {e}"))?;
+    // A new thread names itself once it runs: wait for it a little.
+    let proxies = |want: usize| -> Result<Vec<(String, Vec<usize>)>, String> {
+        let t = Instant::now();
+        loop {
+            let found = threads_named(&format!("arx-proxy-{}", ctx.rank))?;
+            if found.len() >= want || t.elapsed() > Duration::from_secs(5) {
+                return Ok(found);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let both = proxies(2)?;
+    let other: Vec<usize> = both
+        .iter()
+        .map(|(_, c)| c.clone())
+        .find(|c| c != proxy)
+        .unwrap_or_else(|| proxy.to_vec());
+    let mut seconds = vec![0u64; ctx.n];
+    ctx.world.all_gather_into(&one(&other), &mut seconds[..]);
+    drop(second);
+    drop(first);
+    let third = builder()
+        .build(ctx.world)
+        .map_err(|e| format!("third Arx::new: {e}"))?;
+    let now = proxies(1)?;
+    drop(third);
+    let text = format!(
+        "{text}; first instance's threads on every rank {:?}, second proxies {seconds:?},          third proxy {now:?}",
+        held.iter().filter(|&&c| c != u64::MAX).collect::<Vec<_>>()
+    );
+    if ctx.rank == 0 {
+        println!("  {text}");
+    }
+    if both.len() != 2 {
+        return Err(format!(
+            "{} proxy threads with two instances: {text}",
+            both.len()
+        ));
+    }
+    let unclaimed: Vec<u64> = free
+        .iter()
+        .map(|&c| c as u64)
+        .filter(|c| !held.contains(c))
+        .collect();
+    if unclaimed.len() >= ctx.n {
+        let mut seen = seconds.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != ctx.n || seconds.iter().any(|c| !unclaimed.contains(c)) {
+            return Err(format!(
+                "second proxies not each on a CPU of their own outside the first \
+                 instance's threads ({} such CPUs free): {text}",
+                unclaimed.len()
+            ));
+        }
+    } else {
+        // As for the first instance: as many off the main threads' CPUs
+        // as free CPUs allow.
+        let off = seconds
+            .iter()
+            .filter(|&&c| free.contains(&(c as usize)))
+            .count();
+        if off != free.len().min(ctx.n) {
+            return Err(format!(
+                "{off} second proxies off the main threads' CPUs, {} free CPUs for {} ranks: \
+                 {text}",
+                free.len(),
+                ctx.n
+            ));
+        }
+    }
+    match &now[..] {
+        [(_, c)] if c == proxy => Ok(()),
+        _ => Err(format!(
+            "after both instances were dropped a new proxy is not where the first was: {text}"
+        )),
     }
 }
 

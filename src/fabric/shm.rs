@@ -65,7 +65,7 @@ use crate::fabric::Fabric;
 use crate::layout::{Backing, Layout, Placed, Region};
 use crate::protocol::{self, Piece};
 use crate::spin::Backoff;
-use crate::topology::ShmCpus;
+use crate::topology::{CpuClaim, ShmCpus};
 
 /// One mapping of the node's shared segment.
 pub(crate) struct Segment {
@@ -377,6 +377,10 @@ pub(crate) struct ShmFabric {
     /// Test hook: helpers sleep this long after claiming a piece.
     #[cfg(test)]
     stall: Option<Duration>,
+    /// The CPUs the proxy and the crew are pinned to, claimed while this
+    /// fabric lives so that the process's next instance avoids them
+    /// (after `crew`: released once its threads are gone).
+    _claim: CpuClaim,
 }
 
 /// Whether a post of `layout` can reach the crew's threshold ([`CREW_FROM`]
@@ -409,6 +413,11 @@ impl ShmFabric {
             0 => None,
             n => Some(Crew::start(n, &place.helpers, layout.rank(), cfg)?),
         };
+        let pinned_helpers = match crew {
+            Some(_) => &place.helpers[..helpers.min(place.helpers.len())],
+            None => &[],
+        };
+        let claim = CpuClaim::new(place.proxy.iter().chain(pinned_helpers).copied().collect());
         Ok(ShmFabric {
             layout,
             regions: setup.regions.clone().into(),
@@ -430,6 +439,7 @@ impl ShmFabric {
             timeout: cfg.timeout,
             #[cfg(test)]
             stall: None,
+            _claim: claim,
         })
     }
 

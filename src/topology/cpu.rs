@@ -221,20 +221,67 @@ pub(crate) struct ShmRank {
     pub explicit: bool,
     /// The CPUs it may be pinned to (probed: `allowed_cpus`).
     pub allowed: Vec<usize>,
+    /// The CPUs its process's other live instances pinned threads to
+    /// ([`claimed_cpus`]): avoided while others are free.
+    pub claimed: Vec<usize>,
+}
+
+/// The CPUs that live Shm instances of this process pinned their proxy
+/// and copy threads to, one entry per thread ([`CpuClaim`]).
+static CLAIMED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+
+/// This process's claimed CPUs now, each once, in ascending order.
+pub(crate) fn claimed_cpus() -> Vec<usize> {
+    let mut v = CLAIMED.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The CPUs one instance's pinned threads run on, claimed for as long as
+/// it lives, so that the next instance of this process places its threads
+/// elsewhere ([`choose_shm_cpus`]). Two instances started at the same time
+/// by two threads may still pick the same CPUs (the choice is collective
+/// and cannot hold the claim lock across it).
+#[derive(Debug)]
+pub(crate) struct CpuClaim(Vec<usize>);
+
+impl CpuClaim {
+    pub(crate) fn new(cpus: Vec<usize>) -> Self {
+        CLAIMED
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(&cpus);
+        CpuClaim(cpus)
+    }
+}
+
+impl Drop for CpuClaim {
+    fn drop(&mut self) {
+        let mut all = CLAIMED.lock().unwrap_or_else(|e| e.into_inner());
+        for c in &self.0 {
+            if let Some(i) = all.iter().position(|x| x == c) {
+                all.swap_remove(i);
+            }
+        }
+    }
 }
 
 impl ShmRank {
     /// As little-endian u64 words: sole (u64::MAX: none), pin, want,
-    /// explicit, then the allowed CPUs.
+    /// explicit, the number of claimed CPUs, the claimed CPUs, then the
+    /// allowed CPUs.
     pub(crate) fn encode(&self) -> Vec<u8> {
         let head = [
             self.sole.map_or(u64::MAX, |c| c as u64),
             u64::from(self.pin),
             self.want as u64,
             u64::from(self.explicit),
+            self.claimed.len() as u64,
         ];
         head.iter()
             .copied()
+            .chain(self.claimed.iter().map(|&c| c as u64))
             .chain(self.allowed.iter().map(|&c| c as u64))
             .flat_map(u64::to_le_bytes)
             .collect()
@@ -243,7 +290,7 @@ impl ShmRank {
     /// [`ShmRank::encode`]'s bytes back; None when they are not whole words
     /// or too few.
     pub(crate) fn decode(b: &[u8]) -> Option<Self> {
-        if b.len() % 8 != 0 || b.len() < 32 {
+        if b.len() % 8 != 0 || b.len() < 40 {
             return None;
         }
         let w: Vec<u64> = b
@@ -251,12 +298,15 @@ impl ShmRank {
             .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
             .collect();
         let cpu = |x: u64| usize::try_from(x).ok();
+        let claimed_end = cpu(w[4])?.checked_add(5).filter(|&e| e <= w.len())?;
+        let cpus = |ws: &[u64]| ws.iter().map(|&x| cpu(x)).collect::<Option<Vec<_>>>();
         Some(ShmRank {
             sole: (w[0] != u64::MAX).then(|| cpu(w[0])).flatten(),
             pin: w[1] != 0,
             want: cpu(w[2])?,
             explicit: w[3] != 0,
-            allowed: w[4..].iter().map(|&x| cpu(x)).collect::<Option<_>>()?,
+            claimed: cpus(&w[5..claimed_end])?,
+            allowed: cpus(&w[claimed_end..])?,
         })
     }
 }
@@ -276,7 +326,12 @@ impl ShmRank {
 /// first) that it may use and no one has taken, first for its proxy, then
 /// one per copy thread; with the same CPUs allowed to all, local rank i
 /// gets the i-th, (n+i)-th, ... CPU of the order. By default a rank starts
-/// no more copy threads than it got CPUs beyond the proxy's.
+/// no more copy threads than it got CPUs beyond the proxy's. CPUs that
+/// another live instance of any local rank's process claimed
+/// (`ShmRank::claimed`) are avoided: copy threads never take one, a proxy
+/// only when no other CPU is free (sharing another instance's thread
+/// beats sharing the caller's CPU). Instances of other communicators whose
+/// ranks are not among `ranks` are not seen.
 pub(crate) fn choose_shm_cpus(cpus: &CpuInfo, ranks: &[ShmRank], me: usize) -> ShmCpus {
     let Some(mine) = ranks.get(me) else {
         return ShmCpus::default();
@@ -290,6 +345,12 @@ pub(crate) fn choose_shm_cpus(cpus: &CpuInfo, ranks: &[ShmRank], me: usize) -> S
     };
     let order = proxy_cpu_order(cpus, &[]);
     let mut taken: Vec<usize> = ranks.iter().filter_map(|r| r.sole).collect();
+    // Any local rank's claim: another instance of that rank's process has
+    // a thread there (a peer's as much as this rank's own).
+    let claimed: Vec<usize> = ranks
+        .iter()
+        .flat_map(|r| r.claimed.iter().copied())
+        .collect();
     let mut got: Vec<Vec<usize>> = vec![Vec::new(); ranks.len()];
     let mut open: Vec<bool> = ranks.iter().map(|r| r.pin && r.sole.is_some()).collect();
     while open.iter().any(|&o| o) {
@@ -297,10 +358,16 @@ pub(crate) fn choose_shm_cpus(cpus: &CpuInfo, ranks: &[ShmRank], me: usize) -> S
             if !open[i] {
                 continue;
             }
+            let free = |c: &usize| r.allowed.contains(c) && !taken.contains(c);
             let pick = order
                 .iter()
                 .copied()
-                .find(|c| r.allowed.contains(c) && !taken.contains(c));
+                .find(|c| free(c) && !claimed.contains(c))
+                .or_else(|| {
+                    // Only a proxy goes to a CPU another instance claimed.
+                    let proxy = got[i].is_empty();
+                    order.iter().copied().find(|c| proxy && free(c))
+                });
             match pick {
                 Some(c) => {
                     taken.push(c);
@@ -340,7 +407,12 @@ pub(crate) fn choose_shm_cpus(cpus: &CpuInfo, ranks: &[ShmRank], me: usize) -> S
     let spare = if rest.is_empty() { &got[me][..1] } else { rest };
     let helpers: Vec<usize> = spare.iter().copied().cycle().take(threads).collect();
     let note = format!(
-        "main thread bound to CPU {main} alone: proxy on CPU {proxy}{}",
+        "main thread bound to CPU {main} alone: proxy on CPU {proxy}{}{}",
+        if claimed.contains(&proxy) {
+            " (beside another instance's thread: no other CPU was free)"
+        } else {
+            ""
+        },
         if helpers.is_empty() {
             String::new()
         } else {
@@ -687,6 +759,7 @@ mod tests {
             want,
             explicit: false,
             allowed: allowed.map_or_else(|| cpus.online.clone(), <[usize]>::to_vec),
+            claimed: Vec::new(),
         }
     }
 
@@ -722,7 +795,70 @@ mod tests {
         for r in &ranks {
             assert_eq!(ShmRank::decode(&r.encode()).as_ref(), Some(r));
         }
-        assert_eq!(ShmRank::decode(&[0; 31]), None);
+        assert_eq!(ShmRank::decode(&[0; 39]), None);
+    }
+
+    #[test]
+    fn a_second_instance_avoids_the_first_ones_cpus() {
+        // Open MPI's default at 2 ranks on 16 CPUs: the first instance
+        // (claims empty) got 15, 13, 11, 9 and 14, 12, 10, 8.
+        let cpus = alike(16);
+        let mut ranks = [pinning(&cpus, 0, 3, None), pinning(&cpus, 1, 3, None)];
+        ranks[0].claimed = vec![15, 13, 11, 9];
+        ranks[1].claimed = vec![14, 12, 10, 8];
+        let a = choose_shm_cpus(&cpus, &ranks, 0);
+        let b = choose_shm_cpus(&cpus, &ranks, 1);
+        assert_eq!((a.proxy, a.helpers.clone()), (Some(7), vec![5, 3]));
+        assert_eq!((b.proxy, b.helpers.clone()), (Some(6), vec![4, 2]));
+        assert!(!a.note.contains("another instance"), "{}", a.note);
+        for r in &ranks {
+            assert_eq!(ShmRank::decode(&r.encode()).as_ref(), Some(r));
+        }
+        // Nothing unclaimed left (4 CPUs, mains on 0 and 1, the first
+        // instance on 3 and 2): proxies go beside the first instance's
+        // threads rather than onto a main CPU; copy threads do not.
+        let cpus = alike(4);
+        let mut ranks = [pinning(&cpus, 0, 1, None), pinning(&cpus, 1, 1, None)];
+        ranks[0].claimed = vec![3];
+        ranks[1].claimed = vec![2];
+        let a = choose_shm_cpus(&cpus, &ranks, 0);
+        let b = choose_shm_cpus(&cpus, &ranks, 1);
+        assert_eq!(
+            (a.proxy, a.helpers.clone(), a.threads),
+            (Some(3), vec![], 0)
+        );
+        assert_eq!(
+            (b.proxy, b.helpers.clone(), b.threads),
+            (Some(2), vec![], 0)
+        );
+        assert!(a.note.contains("another instance"), "{}", a.note);
+    }
+
+    #[test]
+    fn claims_last_as_long_as_their_holder() {
+        // Other tests may hold claims meanwhile: count this test's CPUs.
+        let mine = |c: usize| claimed_cpus().contains(&c);
+        let (x, y) = (1 << 20, (1 << 20) + 1);
+        let a = CpuClaim::new(vec![x, y]);
+        let b = CpuClaim::new(vec![x]);
+        assert!(mine(x) && mine(y));
+        drop(a);
+        assert!(mine(x) && !mine(y), "b still holds x");
+        drop(b);
+        assert!(!mine(x));
+    }
+
+    #[test]
+    fn a_malformed_placement_message_is_refused() {
+        let mut r = pinning(&alike(4), 0, 1, None);
+        r.claimed = vec![3, 2];
+        let b = r.encode();
+        assert_eq!(ShmRank::decode(&b).as_ref(), Some(&r));
+        // A claimed count past the message's end.
+        let mut bad = b.clone();
+        bad[32..40].copy_from_slice(&100u64.to_le_bytes());
+        assert_eq!(ShmRank::decode(&bad), None);
+        assert_eq!(ShmRank::decode(&b[..39]), None);
     }
 
     #[test]

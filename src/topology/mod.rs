@@ -71,7 +71,10 @@ use crate::config::Config;
 use crate::error::Result;
 
 pub use cpu::pin_current_thread;
-pub(crate) use cpu::{allowed_cpus, choose_shm_cpus, cpu_words, sole_bound_cpu, ShmCpus, ShmRank};
+pub(crate) use cpu::{
+    allowed_cpus, choose_shm_cpus, claimed_cpus, cpu_words, sole_bound_cpu, CpuClaim, ShmCpus,
+    ShmRank,
+};
 pub use gid::{format_gid, gid_drift};
 pub use ibv::ibv_devices;
 pub use ifaddr::{network, IfAddr};
