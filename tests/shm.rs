@@ -22,9 +22,13 @@
 //!    CPUs outside every main's have their proxy pinned to one of those,
 //!    never two on one CPU, copy threads likewise and never on a main or
 //!    proxy CPU; the others' proxies stay on their main's CPU; an unbound
-//!    rank's threads keep its CPUs. By the host rule (1 rank bound to one
-//!    core) the threads stay on the main's CPU. Read from
-//!    `/proc/self/task`, with an exact call.
+//!    rank's threads keep its CPUs. With every rank bound to one CPU, a
+//!    second instance made beside the first puts its proxies on CPUs of
+//!    their own outside the first one's threads where enough are free (as
+//!    many off the mains' CPUs as free CPUs allow otherwise), and a third,
+//!    made once both are dropped, gets the first one's CPU again. By the
+//!    host rule (1 rank bound to one core) the threads stay on the main's
+//!    CPU. Read from `/proc/self/task`, with an exact call.
 //!
 //! Cases 1 and 2 use the test-only hook `ARX_TEST_SHM_FAIL=leave:<rank>` /
 //! `attach:<rank>` of `src/fabric/shm.rs`.
