@@ -68,7 +68,9 @@
 //! (`Builder::timeout`) or the variable (`ARX_TIMEOUT_MS`). Each variable
 //! that takes effect is logged once.
 //!
-//! ★ must be the same on every rank (the values as set, `auto` included).
+//! ★ must be the same on every rank (the values as set, `auto` included;
+//! the slot size once rounded up to whole pages of the largest page any
+//! rank's kernel uses, so 4000 and 4096 bytes agree).
 //! The ranks exchange these first, in one collective of fixed shape; a
 //! difference fails every rank at once with an [`Error::Mismatch`] naming
 //! the variable and the first rank that differs from rank 0. A setting
