@@ -152,6 +152,8 @@ fn local_rank(world: &SimpleCommunicator, rank: usize) -> LocalRank {
             .filter(|&&c| c != u64::MAX)
             .map(|&c| c as usize)
             .collect(),
+        // The report's own process has no live instance.
+        claimed_cpus: Vec::new(),
     }
 }
 

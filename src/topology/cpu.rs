@@ -92,6 +92,31 @@ pub(super) fn choose_proxy_cpu(
             ));
         }
     }
+    // CPUs that other live instances of the node's ranks' processes pinned
+    // their proxies to (the same list on every rank): left out likewise,
+    // after the main threads', while enough others remain.
+    let claimed: Vec<usize> = local
+        .claimed_cpus
+        .iter()
+        .copied()
+        .filter(|c| order.contains(c))
+        .collect();
+    if !claimed.is_empty() {
+        if order.len() - claimed.len() >= count {
+            order.retain(|c| !claimed.contains(c));
+            notes.push(format!(
+                "CPUs {} hold proxies of other instances in this node's ranks' processes: left \
+                 to them",
+                format_cpulist(&claimed)
+            ));
+        } else {
+            notes.push(format!(
+                "{WARN}CPUs {} hold proxies of other instances in this node's ranks' processes, \
+                 but too few CPUs remain without them for {count} proxies: proxies may share",
+                format_cpulist(&claimed)
+            ));
+        }
+    }
     let index = local.index % count;
     let share: Vec<usize> = if count <= order.len() {
         order.iter().skip(index).step_by(count).copied().collect()
@@ -550,6 +575,7 @@ mod tests {
             index,
             count,
             main_cpus: Vec::new(),
+            claimed_cpus: Vec::new(),
         }
     }
 
@@ -672,6 +698,58 @@ mod tests {
             &picks[3].1,
             "4 ranks on this node, 3 big cores near the NIC"
         ));
+    }
+
+    #[test]
+    fn a_second_instance_pins_its_proxies_off_the_first_ones() {
+        // Two ranks on a Spark, mains bound to 18 and 19: the first
+        // instance's proxies go to 17 and 16 (see the next test); a second
+        // instance in the same processes knows those CPUs are claimed.
+        let disc = discover_in(&fixture("spark_both"), HwlocSource::Off).unwrap();
+        let cfg = cfg_with(&[]);
+        let bound = |i: usize| {
+            let c = [18, 19][i];
+            ThreadCpus {
+                current: Some(c),
+                bound: Some(vec![c]),
+            }
+        };
+        let picks = |claimed: &[usize]| -> Vec<Selection> {
+            (0..2)
+                .map(|i| {
+                    let local = LocalRank {
+                        main_cpus: vec![18, 19],
+                        claimed_cpus: claimed.to_vec(),
+                        ..lr(i, 2)
+                    };
+                    select_from(&disc, &cfg, &bound(i), &local).unwrap()
+                })
+                .collect()
+        };
+        let first: Vec<usize> = picks(&[]).iter().map(|s| s.proxy_cpu.unwrap()).collect();
+        assert_eq!(first, [17, 16]);
+        let second = picks(&first);
+        let cpus: Vec<usize> = second.iter().map(|s| s.proxy_cpu.unwrap()).collect();
+        assert!(
+            cpus.iter()
+                .all(|c| !first.contains(c) && ![18, 19].contains(c) && GB10_BIG.contains(c)),
+            "{cpus:?}"
+        );
+        assert_ne!(cpus[0], cpus[1]);
+        assert!(
+            has_note(&second[0], "hold proxies of other instances"),
+            "{:#?}",
+            second[0].notes
+        );
+        // Every CPU claimed: proxies may share, and it is said.
+        let all: Vec<usize> = (0..20).collect();
+        let crowded = picks(&all);
+        assert!(
+            has_note(&crowded[0], "too few CPUs remain without them"),
+            "{:#?}",
+            crowded[0].notes
+        );
+        assert!(crowded.iter().all(|s| s.proxy_cpu.is_some()));
     }
 
     #[test]

@@ -250,6 +250,11 @@ pub struct LocalRank {
     /// there while enough other CPUs remain. Must be the same list on every
     /// rank of the node (arx gathers it from every rank); empty when unknown.
     pub main_cpus: Vec<usize>,
+    /// CPUs that live instances in the processes of this node's ranks
+    /// pinned their proxies to: a second instance's proxy goes elsewhere
+    /// while enough other CPUs remain. The same list on every rank of the
+    /// node (gathered); empty when unknown.
+    pub claimed_cpus: Vec<usize>,
 }
 
 impl LocalRank {
@@ -258,6 +263,7 @@ impl LocalRank {
         index: 0,
         count: 1,
         main_cpus: Vec::new(),
+        claimed_cpus: Vec::new(),
     };
 
     /// `rank`'s place given every rank's node name in rank order
@@ -271,11 +277,13 @@ impl LocalRank {
             index: hosts[..rank].iter().filter(|h| same(h)).count(),
             count: hosts.iter().filter(|h| same(h)).count(),
             main_cpus: Vec::new(),
+            claimed_cpus: Vec::new(),
         }
     }
 
     /// As [`LocalRank::among`], with the CPUs the node's ranks' main threads
-    /// are bound to alone, learnt from every rank. Collective over `boot`.
+    /// are bound to alone and the CPUs their processes' live instances
+    /// claimed, learnt from every rank. Collective over `boot`.
     pub(crate) fn gather<S: AsRef<str>>(
         boot: &crate::bootstrap::Bootstrap,
         hosts: &[S],
@@ -283,19 +291,31 @@ impl LocalRank {
     ) -> Result<Self> {
         let mut local = LocalRank::among(hosts, rank);
         let sole = cpu::sole_bound_cpu();
-        let mine = sole.map_or(u64::MAX, |c| c as u64);
-        let all = boot.all_gather_bytes("main thread CPUs", &mine.to_le_bytes())?;
+        // Little-endian words: the main thread's one CPU (u64::MAX: not
+        // bound to one), then the claimed CPUs.
+        let mine: Vec<u8> = std::iter::once(sole.map_or(u64::MAX, |c| c as u64))
+            .chain(cpu::claimed_cpus().into_iter().map(|c| c as u64))
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        let all = boot.all_gather_bytes("main thread and claimed CPUs", &mine)?;
         for (r, b) in all.iter().enumerate() {
             let same_node = hosts.get(r).map(AsRef::as_ref) == hosts.get(rank).map(AsRef::as_ref);
-            let cpu = <[u8; 8]>::try_from(b.as_slice()).map(u64::from_le_bytes);
-            if let (true, Ok(c)) = (same_node, cpu) {
-                if c != u64::MAX {
-                    local.main_cpus.push(c as usize);
-                }
+            if !same_node || b.len() % 8 != 0 {
+                continue;
             }
+            let mut words = b
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8-byte chunk")))
+                .map(|w| (w != u64::MAX).then(|| usize::try_from(w).ok()).flatten());
+            if let Some(Some(c)) = words.next() {
+                local.main_cpus.push(c);
+            }
+            local.claimed_cpus.extend(words.flatten());
         }
-        local.main_cpus.sort_unstable();
-        local.main_cpus.dedup();
+        for v in [&mut local.main_cpus, &mut local.claimed_cpus] {
+            v.sort_unstable();
+            v.dedup();
+        }
         Ok(local)
     }
 }

@@ -305,6 +305,7 @@ pub(crate) fn connect(
         polls: 0,
         cfg: cfg.clone(),
         region: Arc::clone(region),
+        _claim: crate::topology::CpuClaim::new(sel.proxy_cpu.into_iter().collect()),
     };
     log::info!("arx verbs: rank {me}: {}", fabric.describe());
     Ok(fabric)

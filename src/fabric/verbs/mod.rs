@@ -233,6 +233,10 @@ pub(crate) struct VerbsFabric {
     cfg: crate::config::Config,
     /// The region (flags read by the relay; kept mapped while registered).
     region: Arc<Region>,
+    /// The proxy's CPU, claimed while this fabric lives so that the
+    /// process's next instance pins its proxy elsewhere
+    /// ([`crate::topology::LocalRank::claimed_cpus`]).
+    _claim: crate::topology::CpuClaim,
 }
 
 impl Fabric for VerbsFabric {
