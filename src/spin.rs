@@ -110,9 +110,8 @@ pub(crate) fn sleep(d: Duration) {
         }
         let ns = t.tv_nsec as u64 + u64::from(d.subsec_nanos());
         let secs = i64::try_from(d.as_secs()).unwrap_or(i64::MAX / 2);
-        t.tv_sec = t
-            .tv_sec
-            .saturating_add((secs + (ns / 1_000_000_000) as i64) as libc::time_t);
+        let add = secs.saturating_add((ns / 1_000_000_000) as i64);
+        t.tv_sec = t.tv_sec.saturating_add(add as libc::time_t);
         t.tv_nsec = (ns % 1_000_000_000) as _;
         while libc::clock_nanosleep(
             libc::CLOCK_MONOTONIC,
@@ -173,6 +172,16 @@ mod tests {
     use super::{settle, sleep, SETTLE, SETTLE_MAX};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_largest_sleep_neither_overflows_nor_ends_at_once() {
+        // A deadline past the clock's range saturates instead of wrapping
+        // to the past (which ended the sleep at once, or panicked in a
+        // debug build).
+        let h = std::thread::spawn(|| sleep(Duration::new(i64::MAX as u64, 999_999_999)));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!h.is_finished(), "the sleep ended at once");
+    }
 
     static HITS: AtomicUsize = AtomicUsize::new(0);
 

@@ -576,6 +576,9 @@ fn placement(ctx: &Ctx) -> Result<(), String> {
 /// own checks: a second instance's proxy avoids the CPUs the first one's
 /// threads hold on every rank, where enough are free; a third, made after
 /// both are dropped, gets the first one's CPU again (the claims ended).
+/// Every step that can fail on one rank is agreed on (`together`) before
+/// the next collective, so a failing rank fails every rank instead of
+/// leaving the others in a collective.
 fn instances_apart(
     ctx: &Ctx,
     first: Arx,
@@ -584,6 +587,7 @@ fn instances_apart(
     free: &[usize],
     text: &str,
 ) -> Result<(), String> {
+    // The proxy and at most 15 copy threads (ARX_SHM_COPY_THREADS's bound).
     const MAX: usize = 16;
     let one = |v: &[usize]| if v.len() == 1 { v[0] as u64 } else { u64::MAX };
     // Every rank's first-instance threads' CPUs (u64::MAX: none).
@@ -596,21 +600,13 @@ fn instances_apart(
     }
     let mut held = vec![0u64; MAX * ctx.n];
     ctx.world.all_gather_into(&mine[..], &mut held[..]);
-    let second = builder()
-        .build(ctx.world)
-        .map_err(|e| format!("second Arx::new: {e}"))?;
-    // A new thread names itself once it runs: wait for it a little.
-    let proxies = |want: usize| -> Result<Vec<(String, Vec<usize>)>, String> {
-        let t = Instant::now();
-        loop {
-            let found = threads_named(&format!("arx-proxy-{}", ctx.rank))?;
-            if found.len() >= want || t.elapsed() > Duration::from_secs(5) {
-                return Ok(found);
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+    let build = |what: &str| {
+        builder()
+            .build(ctx.world)
+            .map_err(|e| format!("{what} Arx::new: {e}"))
     };
-    let both = proxies(2)?;
+    let second = together(ctx, build("second"))?;
+    let both = together(ctx, settled_proxies(ctx, 2))?;
     let other: Vec<usize> = both
         .iter()
         .map(|(_, c)| c.clone())
@@ -620,14 +616,13 @@ fn instances_apart(
     ctx.world.all_gather_into(&one(&other), &mut seconds[..]);
     drop(second);
     drop(first);
-    let third = builder()
-        .build(ctx.world)
-        .map_err(|e| format!("third Arx::new: {e}"))?;
-    let now = proxies(1)?;
+    let third = together(ctx, build("third"))?;
+    let now = together(ctx, settled_proxies(ctx, 1))?;
     drop(third);
+    let held_cpus: Vec<u64> = held.iter().copied().filter(|&c| c != u64::MAX).collect();
     let text = format!(
-        "{text}; first instance's threads on every rank {:?}, second proxies {seconds:?},          third proxy {now:?}",
-        held.iter().filter(|&&c| c != u64::MAX).collect::<Vec<_>>()
+        "{text}; first instance's threads on every rank {held_cpus:?}, second proxies \
+         {seconds:?}, third proxy {now:?}"
     );
     if ctx.rank == 0 {
         println!("  {text}");
@@ -641,7 +636,7 @@ fn instances_apart(
     let unclaimed: Vec<u64> = free
         .iter()
         .map(|&c| c as u64)
-        .filter(|c| !held.contains(c))
+        .filter(|c| !held_cpus.contains(c))
         .collect();
     if unclaimed.len() >= ctx.n {
         let mut seen = seconds.clone();
@@ -649,8 +644,8 @@ fn instances_apart(
         seen.dedup();
         if seen.len() != ctx.n || seconds.iter().any(|c| !unclaimed.contains(c)) {
             return Err(format!(
-                "second proxies not each on a CPU of their own outside the first \
-                 instance's threads ({} such CPUs free): {text}",
+                "second proxies not each on a CPU of their own outside the first instance's \
+                 threads ({} such CPUs free): {text}",
                 unclaimed.len()
             ));
         }
@@ -675,6 +670,44 @@ fn instances_apart(
         _ => Err(format!(
             "after both instances were dropped a new proxy is not where the first was: {text}"
         )),
+    }
+}
+
+/// This rank's `want` proxy threads and their CPUs, once they are there
+/// and their CPUs have stopped changing: a new thread is named before it
+/// runs and pins itself after, so a first look may see it still on the
+/// main thread's CPU. At most 5 s.
+fn settled_proxies(ctx: &Ctx, want: usize) -> Result<Vec<(String, Vec<usize>)>, String> {
+    let t = Instant::now();
+    let mut last = threads_named(&format!("arx-proxy-{}", ctx.rank))?;
+    loop {
+        std::thread::sleep(Duration::from_millis(20));
+        let found = threads_named(&format!("arx-proxy-{}", ctx.rank))?;
+        if (found.len() >= want && found == last) || t.elapsed() > Duration::from_secs(5) {
+            return Ok(found);
+        }
+        last = found;
+    }
+}
+
+/// `r` where it is Ok on every rank; otherwise an error on every rank (this
+/// rank's own, or one naming the failing rank), so that no rank goes on
+/// into a collective that a failed rank left.
+fn together<T>(ctx: &Ctx, r: Result<T, String>) -> Result<T, String> {
+    let failed = if r.is_err() {
+        ctx.rank as u64
+    } else {
+        u64::MAX
+    };
+    let mut first_failed = 0u64;
+    ctx.world
+        .all_reduce_into(&failed, &mut first_failed, SystemOperation::min());
+    match r {
+        Err(e) => Err(e),
+        Ok(_) if first_failed != u64::MAX => {
+            Err(format!("rank {first_failed} failed at the same step"))
+        }
+        Ok(v) => Ok(v),
     }
 }
 

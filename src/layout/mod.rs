@@ -36,6 +36,9 @@ pub(crate) use region::{Backing, Placed};
 
 /// Bytes of the control block.
 pub(crate) const CTRL_BYTES: usize = std::mem::size_of::<abi::arx_ctrl_t>();
+/// The largest page a rank may report (1 GiB, the largest huge page of
+/// any kernel arx runs on); a larger report is a peer's error.
+const MAX_PAGE: usize = 1 << 30;
 /// The smallest alignment of sections and slots, whatever the page size.
 const MIN_ALIGN: usize = abi::ARX_SECTION_ALIGN as usize;
 const LANES: usize = abi::ARX_LANES as usize;
@@ -46,10 +49,6 @@ const _: () = assert!(std::mem::size_of::<abi::arx_ctrl_t>() == 256);
 const _: () = assert!(std::mem::size_of::<abi::arx_layout_t>() == 56);
 const _: () = assert!(std::mem::size_of::<abi::arx_gpu_state_t>() == 72);
 const _: () = assert!(std::mem::size_of::<abi::arx_params_t>() == 136);
-
-pub(crate) const fn align_up(x: usize, a: usize) -> usize {
-    x.div_ceil(a) * a
-}
 
 /// The page size the kernel reports for this process.
 pub(crate) fn page_size() -> Result<usize> {
@@ -106,7 +105,7 @@ fn largest_page(pages: &[&[u8]]) -> Result<usize> {
             .map(u64::from_le_bytes)
             .ok()
             .and_then(|p| usize::try_from(p).ok())
-            .filter(|p| p.is_power_of_two())
+            .filter(|p| p.is_power_of_two() && *p <= MAX_PAGE)
             .ok_or_else(|| Error::PeerFailed {
                 peer,
                 reason: format!("reported no usable page size ({b:02x?})"),
@@ -153,6 +152,12 @@ fn agree_page_and_slot(reports: &[Vec<u8>]) -> Result<usize> {
         Some(r) => format!("{s} (slots of {r} bytes in {align}-byte pages)"),
         None => format!("{s} (too large to round to {align}-byte pages)"),
     };
+    if rounded(slots[0]).is_none() {
+        return Err(Error::InvalidArgument(format!(
+            "slot size {}",
+            shown(slots[0])
+        )));
+    }
     if let Some(rank) = slots.iter().position(|&s| rounded(s) != rounded(slots[0])) {
         return Err(Error::Mismatch {
             what: "ARX_SLOT_BYTES",
@@ -224,20 +229,31 @@ impl Layout {
         if slot_bytes == 0 {
             return Err(Error::InvalidArgument("slot size 0".into()));
         }
-        let slot = align_up(slot_bytes, align);
-        let flags_off = align_up(CTRL_BYTES, align);
+        // Checked: the page comes from peers and the slot from a public
+        // constructor, so neither is bounded here.
+        let overflow = || {
+            Error::InvalidArgument(format!(
+                "a region of {world} ranks with slots of {slot_bytes} bytes in {align}-byte \
+                 pages overflows the address space"
+            ))
+        };
+        let up = |x: usize| x.checked_next_multiple_of(align).ok_or_else(overflow);
+        let slot = up(slot_bytes)?;
+        let flags_off = up(CTRL_BYTES)?;
         let flags_bytes = PARITIES * world * LANES * 8;
         // The probe words follow the flags in their section.
-        let send_off = align_up(flags_off + flags_bytes + world * 8, align);
-        let recv_off = send_off + PARITIES * slot;
-        let region = recv_off
-            .checked_add(
-                PARITIES
-                    .checked_mul(world)
-                    .and_then(|n| n.checked_mul(slot))
-                    .ok_or_else(|| Error::InvalidArgument("region size overflows".into()))?,
-            )
-            .ok_or_else(|| Error::InvalidArgument("region size overflows".into()))?;
+        let send_off = up(flags_off
+            .checked_add(flags_bytes + world * 8)
+            .ok_or_else(overflow)?)?;
+        let recv_off = PARITIES
+            .checked_mul(slot)
+            .and_then(|b| send_off.checked_add(b))
+            .ok_or_else(overflow)?;
+        let region = PARITIES
+            .checked_mul(world)
+            .and_then(|n| n.checked_mul(slot))
+            .and_then(|b| recv_off.checked_add(b))
+            .ok_or_else(overflow)?;
         Ok(Layout {
             raw: abi::arx_layout_t {
                 ctrl_off: 0,

@@ -191,6 +191,24 @@ fn slot_sizes_are_compared_after_rounding_to_the_agreed_page() {
 }
 
 #[test]
+fn sizes_past_the_address_space_are_errors_not_overflows() {
+    let r = page_and_slot_report;
+    // A slot too large to round on every rank: an error on every rank.
+    let e = agree_page_and_slot(&[r(4096, u64::MAX), r(4096, u64::MAX)]).unwrap_err();
+    assert!(e.to_string().contains("too large to round"), "{e}");
+    // A page no kernel has is a peer's error.
+    match agree_page_and_slot(&[r(4096, 4096), r(1 << 40, 4096)]) {
+        Err(Error::PeerFailed { peer: 1, reason }) => assert!(reason.contains("page"), "{reason}"),
+        other => panic!("expected PeerFailed naming rank 1, got {other:?}"),
+    }
+    // The public constructors refuse what does not fit.
+    for (slot, page) in [(usize::MAX, 4096), (usize::MAX / 2, 4096), (4096, 1 << 62)] {
+        let e = Layout::with_page(2, 0, slot, page).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "slot {slot}, page {page}: {e}");
+    }
+}
+
+#[test]
 fn page_size_is_the_kernels() {
     assert_eq!(page_size().unwrap(), kernel_page());
 }
