@@ -69,53 +69,35 @@ pub(super) fn choose_proxy_cpu(
     // local ranks than online CPUs do shares wrap (and proxies share).
     let mut order = proxy_cpu_order(&disc.cpus, &near);
     let count = local.count.max(1);
-    // Main threads bound to one CPU each (every rank knows the same list):
-    // leave those CPUs out of the order while enough others remain.
-    let mains: Vec<usize> = local
-        .main_cpus
-        .iter()
-        .copied()
-        .filter(|c| order.contains(c))
-        .collect();
-    if !mains.is_empty() {
-        if order.len() - mains.len() >= count {
-            order.retain(|c| !mains.contains(c));
-            notes.push(format!(
-                "CPUs {} hold main threads of this node's ranks (bound one CPU each): left to them",
-                format_cpulist(&mains)
-            ));
+    // Main threads bound to one CPU each, then CPUs that other live
+    // instances of the node's ranks' processes pinned their proxies to
+    // (every rank knows the same lists): left out of the order while
+    // enough others remain.
+    if let Some((held, left)) = leave_out(&mut order, &local.main_cpus, count) {
+        notes.push(if left {
+            format!(
+                "CPUs {held} hold main threads of this node's ranks (bound one CPU each): left to them"
+            )
         } else {
-            notes.push(format!(
-                "CPUs {} hold main threads of this node's ranks, but too few CPUs remain \
-                 without them for {count} proxies: proxies may share with main threads",
-                format_cpulist(&mains)
-            ));
-        }
+            format!(
+                "CPUs {held} hold main threads of this node's ranks, but too few CPUs remain \
+                 without them for {count} proxies: proxies may share with main threads"
+            )
+        });
     }
-    // CPUs that other live instances of the node's ranks' processes pinned
-    // their proxies to (the same list on every rank): left out likewise,
-    // after the main threads', while enough others remain.
-    let claimed: Vec<usize> = local
-        .claimed_cpus
-        .iter()
-        .copied()
-        .filter(|c| order.contains(c))
-        .collect();
-    if !claimed.is_empty() {
-        if order.len() - claimed.len() >= count {
-            order.retain(|c| !claimed.contains(c));
-            notes.push(format!(
-                "CPUs {} hold proxies of other instances in this node's ranks' processes: left \
-                 to them",
-                format_cpulist(&claimed)
-            ));
+    if let Some((held, left)) = leave_out(&mut order, &local.claimed_cpus, count) {
+        notes.push(if left {
+            format!(
+                "CPUs {held} hold proxies of other instances in this node's ranks' processes: \
+                 left to them"
+            )
         } else {
-            notes.push(format!(
-                "{WARN}CPUs {} hold proxies of other instances in this node's ranks' processes, \
-                 but too few CPUs remain without them for {count} proxies: proxies may share",
-                format_cpulist(&claimed)
-            ));
-        }
+            format!(
+                "{WARN}CPUs {held} hold proxies of other instances in this node's ranks' \
+                 processes, but too few CPUs remain without them for {count} proxies: proxies \
+                 may share"
+            )
+        });
     }
     let index = local.index % count;
     let share: Vec<usize> = if count <= order.len() {
@@ -210,6 +192,21 @@ pub(super) fn choose_proxy_cpu(
         "proxy CPU: no CPU other than the main thread's in this rank's share; not pinned{share_note}"
     ));
     None
+}
+
+/// Removes `held`'s CPUs from `order` if at least `count` others remain.
+/// None when none of them is in `order`; else the CPU list of those that
+/// were, and whether they were removed.
+fn leave_out(order: &mut Vec<usize>, held: &[usize], count: usize) -> Option<(String, bool)> {
+    let there: Vec<usize> = held.iter().copied().filter(|c| order.contains(c)).collect();
+    if there.is_empty() {
+        return None;
+    }
+    let left = order.len() - there.len() >= count;
+    if left {
+        order.retain(|c| !there.contains(c));
+    }
+    Some((format_cpulist(&there), left))
 }
 
 /// Where the Shm fabric's proxy and copy threads run
