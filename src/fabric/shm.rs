@@ -429,7 +429,7 @@ impl ShmFabric {
                 },
                 (Some(p), true) if !place.helpers.is_empty() => format!(
                     "; proxy on CPU {p}, copy threads on CPUs {}",
-                    crate::topology::cpu_words(&place.helpers[..helpers.min(place.helpers.len())])
+                    crate::topology::cpu_words(pinned_helpers)
                 ),
                 (Some(p), _) => format!("; proxy on CPU {p}"),
             },
