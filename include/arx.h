@@ -241,6 +241,11 @@ typedef enum arxSpin_t {
    * Never yield the core.
    */
   arxSpinHot = 1,
+  /**
+   * Nap 20 us between polls from the first idle round (for threads that
+   * share a CPU with one that never yields; `ARX_SPIN=nap`).
+   */
+  arxSpinNap = 2,
 } arxSpin_t;
 
 /**

@@ -186,9 +186,22 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     };
     let fabric_name = fabric.name();
     let fabric_desc = fabric.describe();
+    // A GPU instance's caller spins in its CUDA synchronize: a proxy left
+    // on that caller's one CPU must nap (`proxy::proxy_spin`).
+    let spinning_caller = match side {
+        Side::Gpu(_) => topology::sole_bound_cpu(),
+        Side::Host => None,
+    };
     let proxy = boot.agree("proxy start", {
         let cpu = cfg.proxy_cpu.or(topology_cpu);
-        Proxy::start(fabric, Arc::clone(&region), layout, &cfg, cpu)
+        Proxy::start(
+            fabric,
+            Arc::clone(&region),
+            layout,
+            &cfg,
+            cpu,
+            spinning_caller,
+        )
     })?;
     boot.barrier("start-up barrier")?;
     boot.set_call_timeout(cfg.timeout);
@@ -210,8 +223,8 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
 
 /// Where the Shm fabric's proxy and copy threads run on this rank
 /// (`topology::choose_shm_cpus`, from every rank's facts: the Shm fabric's
-/// ranks are one node's); logged, and a warning when the proxy of a GPU
-/// instance must share the caller's only CPU. Collective over `boot`.
+/// ranks are one node's); logged (a GPU instance's proxy that must share
+/// the caller's only CPU warns as it starts). Collective over `boot`.
 ///
 /// Only a GPU instance's threads leave a one-CPU binding: there the proxy
 /// posts every call while the caller's CUDA synchronize spins. A host
@@ -290,14 +303,8 @@ fn shm_placement(
         });
     }
     let place = topology::choose_shm_cpus(&cpus, &ranks, rank);
-    match place.shared {
-        Some(c) if gpu => log::warn!(
-            "arx: rank {rank}: {}; the caller's CUDA synchronize spins on CPU {c} too, so each \
-             GPU call can wait for the scheduler (about 4 ms): give each rank two CPUs or more \
-             (mpirun --map-by slot:PE=2, or --bind-to none), or set ARX_PROXY_CPU",
-            place.note
-        ),
-        _ => log::info!("arx: rank {rank}: {}", place.note),
-    }
+    // (A GPU instance's proxy that shares the caller's CPU says what that
+    // costs when it starts: `proxy::Proxy::start`.)
+    log::info!("arx: rank {rank}: {}", place.note);
     Ok(place)
 }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::config::Config;
+use crate::config::{Config, SpinMode};
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
 use crate::layout::{peer_flags, Layout, Region};
@@ -55,6 +55,8 @@ struct Shared {
     trace: Trace,
     /// The proxy thread, for [`Link::wake`] (its idle naps are parks).
     thread: std::sync::OnceLock<std::thread::Thread>,
+    /// How the proxy thread waits ([`proxy_spin`]), once it has started.
+    spin: std::sync::OnceLock<SpinMode>,
 }
 
 impl Shared {
@@ -73,6 +75,7 @@ impl Shared {
             error: Mutex::new(None),
             trace: Trace::new(),
             thread: std::sync::OnceLock::new(),
+            spin: std::sync::OnceLock::new(),
         }
     }
 
@@ -214,12 +217,17 @@ pub(crate) struct Proxy {
 
 impl Proxy {
     /// Starts the proxy over `fabric`, pinned to `cpu` if given.
+    /// `spinning_caller`: the one CPU the caller's thread is bound to when
+    /// that thread spins without yielding while calls run (a GPU instance's:
+    /// its CUDA synchronize spins); a proxy that ends up on that CPU alone
+    /// naps instead of polling ([`proxy_spin`]).
     pub fn start(
         fabric: Box<dyn Fabric>,
         region: Arc<Region>,
         layout: Layout,
         cfg: &Config,
         cpu: Option<usize>,
+        spinning_caller: Option<usize>,
     ) -> Result<Self> {
         let shared = Arc::new(Shared::new(fabric, region, &layout));
         let s = Arc::clone(&shared);
@@ -243,7 +251,13 @@ impl Proxy {
                         log::warn!("arx proxy: could not pin to CPU {cpu}: {e}");
                     }
                 }
-                run(&s, layout, &cfg2)
+                // Where the thread really is (a pin can fail, an unpinned
+                // thread inherits the caller's binding).
+                let own = crate::topology::sole_bound_cpu();
+                let spin = proxy_spin(cfg2.spin, spinning_caller, own);
+                note_shared_cpu(layout.rank(), cfg2.spin, spin, spinning_caller, own);
+                let _ = s.spin.set(spin);
+                run(&s, layout, &cfg2, spin)
             })
             .map_err(|e| Error::Os {
                 call: "thread spawn",
@@ -407,8 +421,63 @@ impl Drop for Proxy {
     }
 }
 
-fn run(s: &Shared, layout: Layout, cfg: &Config) {
-    let mut backoff = Backoff::new(cfg.spin, cfg.spin_hot.unwrap_or(64));
+/// The proxy thread's spin mode: [`SpinMode::Adaptive`] (the default)
+/// becomes [`SpinMode::Nap`] when the proxy runs on nothing but the one CPU
+/// of a caller that spins without yielding (`spinning_caller`, see
+/// [`Proxy::start`]; `own`: the proxy's own sole CPU, if it has one). A
+/// polling or yielding proxy there runs only when the scheduler takes the
+/// CPU from the caller at its tick: 4 ms per GPU call on the H200 machine.
+/// A proxy that only naps has slept when it wakes, so it takes the CPU from
+/// the spinning caller at once. Any other mode is the configured one.
+pub(crate) fn proxy_spin(
+    configured: SpinMode,
+    spinning_caller: Option<usize>,
+    own: Option<usize>,
+) -> SpinMode {
+    match (configured, spinning_caller, own) {
+        (SpinMode::Adaptive, Some(c), Some(o)) if c == o => SpinMode::Nap,
+        _ => configured,
+    }
+}
+
+/// Says, once per instance, what a proxy sharing its caller's only CPU
+/// costs, and narrows its timer slack when it naps.
+fn note_shared_cpu(
+    rank: usize,
+    configured: SpinMode,
+    spin: SpinMode,
+    spinning_caller: Option<usize>,
+    own: Option<usize>,
+) {
+    if spin == SpinMode::Nap && !crate::spin::tighten_timer_slack() {
+        log::debug!("arx proxy: rank {rank}: the timer slack stays as it was (prctl refused)");
+    }
+    let Some(c) = spinning_caller.filter(|&c| own == Some(c)) else {
+        return;
+    };
+    let advice = "give each rank two CPUs or more (mpirun --map-by slot:PE=2 or --bind-to \
+                  none, srun -c 2), or set ARX_PROXY_CPU";
+    match configured {
+        SpinMode::Adaptive => log::warn!(
+            "arx: rank {rank}: the proxy shares CPU {c} with the caller, whose CUDA \
+             synchronize spins: it naps {} us between polls (ARX_SPIN=nap), so each GPU \
+             call waits about that much longer; {advice}",
+            crate::spin::SHORT_NAP.as_micros()
+        ),
+        SpinMode::Hot => log::warn!(
+            "arx: rank {rank}: the proxy shares CPU {c} with the caller, whose CUDA \
+             synchronize spins, and ARX_SPIN=hot keeps it polling: each GPU call can wait \
+             for a scheduler tick (about 4 ms); unset ARX_SPIN, or {advice}"
+        ),
+        SpinMode::Nap => log::info!(
+            "arx: rank {rank}: the proxy shares CPU {c} with the caller and naps between polls \
+             (ARX_SPIN=nap)"
+        ),
+    }
+}
+
+fn run(s: &Shared, layout: Layout, cfg: &Config, spin: SpinMode) {
+    let mut backoff = Backoff::new(spin, cfg.spin_hot.unwrap_or(64));
     let mut watch = Watchdog::new(cfg.stall_warn);
     let mut stop_at: Option<Instant> = None;
     loop {
@@ -538,6 +607,79 @@ mod tests {
     }
 
     #[test]
+    fn adaptive_naps_only_on_a_spinning_callers_own_cpu() {
+        use SpinMode::{Adaptive, Hot, Nap};
+        // (configured, spinning caller's CPU, the proxy's sole CPU) -> mode
+        let cases = [
+            (Adaptive, Some(3), Some(3), Nap),
+            (Adaptive, Some(3), Some(4), Adaptive),
+            (Adaptive, Some(3), None, Adaptive), // the proxy may run elsewhere
+            (Adaptive, None, Some(3), Adaptive), // a host caller posts itself
+            (Hot, Some(3), Some(3), Hot),        // asked for: kept (and warned)
+            (Nap, None, None, Nap),
+            (Nap, Some(3), Some(4), Nap),
+        ];
+        for (configured, caller, own, want) in cases {
+            assert_eq!(
+                proxy_spin(configured, caller, own),
+                want,
+                "{configured:?} caller {caller:?} proxy {own:?}"
+            );
+        }
+    }
+
+    /// The proxy thread judges where it really runs: pinned to the
+    /// caller's CPU, or unpinned and inheriting a caller's one-CPU binding,
+    /// it naps; pinned elsewhere it keeps the configured mode.
+    #[test]
+    fn a_proxy_on_the_spinning_callers_cpu_naps() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cfg = Config::resolve_with(&Overrides::default(), |_| None).unwrap();
+        assert_eq!(cfg.spin, SpinMode::Adaptive);
+        let start = move |cpu: Option<usize>, caller: Option<usize>| {
+            let layout = Layout::new(2, 0, 4096).unwrap();
+            let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
+            let (fabric, _control) = FakeFabric::new();
+            let proxy = Proxy::start(Box::new(fabric), region, layout, &cfg, cpu, caller).unwrap();
+            let t = Instant::now();
+            while proxy.shared.spin.get().is_none() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the proxy never started"
+                );
+                std::thread::yield_now();
+            }
+            *proxy.shared.spin.get().unwrap()
+        };
+        assert_eq!(
+            start(Some(0), Some(0)),
+            SpinMode::Nap,
+            "pinned onto the caller's CPU"
+        );
+        assert_eq!(
+            start(Some(0), None),
+            SpinMode::Adaptive,
+            "no spinning caller"
+        );
+        // Unpinned, started from a thread bound to CPU 0 alone: inherits it.
+        let start2 = start.clone();
+        let inherited = std::thread::spawn(move || {
+            crate::topology::pin_current_thread(0).unwrap();
+            start2(None, Some(0))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(inherited, SpinMode::Nap, "inherited the caller's one CPU");
+        if n > 1 {
+            assert_eq!(
+                start(Some(1), Some(0)),
+                SpinMode::Adaptive,
+                "a CPU of its own"
+            );
+        }
+    }
+
+    #[test]
     fn the_fabric_is_dropped_before_the_region() {
         let log: Log = Arc::default();
         let layout = Layout::new(2, 0, 4096).unwrap();
@@ -565,6 +707,7 @@ mod tests {
             Arc::new(region),
             layout,
             &cfg,
+            None,
             None,
         )
         .unwrap();

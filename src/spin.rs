@@ -6,6 +6,12 @@
 //! has its own core; yielding and napping keep oversubscribed runs (CI runs 8
 //! ranks on 2 cores) and long idle periods from starving the thread that
 //! would make progress.
+//!
+//! A thread that shares its one CPU with a thread that never yields (a GPU
+//! caller's CUDA synchronize spins) must not poll or yield at all: the
+//! scheduler then runs it only at its next tick (4 ms on the H200 machine).
+//! [`SpinMode::Nap`] naps from the first idle round; a thread that slept
+//! preempts the spinning one when it wakes, so it is late by about a nap.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +27,13 @@ const SETTLE_MAX: Duration = Duration::from_secs(1);
 const YIELD_ROUNDS: u32 = 2000;
 /// Length of one nap once a wait has been idle for long.
 const NAP: Duration = Duration::from_micros(50);
+/// Length of one nap of [`SpinMode::Nap`], which naps from the first idle
+/// round: short, since each one ends in the latency a call sees.
+pub(crate) const SHORT_NAP: Duration = Duration::from_micros(20);
+/// Timer slack of a thread that naps [`SHORT_NAP`]s
+/// ([`tighten_timer_slack`]): Linux's default, 50 us, would stretch each
+/// 20 us nap to about 70.
+const SHORT_NAP_SLACK_NS: libc::c_ulong = 10_000;
 
 /// One wait's spin state.
 pub(crate) struct Backoff {
@@ -42,7 +55,17 @@ impl Backoff {
     #[inline]
     pub(crate) fn idle(&mut self) {
         if self.spin() {
-            sleep(NAP);
+            sleep(self.nap());
+        }
+    }
+
+    /// The length of this wait's naps.
+    #[inline]
+    fn nap(&self) -> Duration {
+        if self.mode == SpinMode::Nap {
+            SHORT_NAP
+        } else {
+            NAP
         }
     }
 
@@ -53,7 +76,7 @@ impl Backoff {
     #[inline]
     pub(crate) fn idle_parked(&mut self) {
         if self.spin() {
-            std::thread::park_timeout(NAP);
+            std::thread::park_timeout(self.nap());
         }
     }
 
@@ -72,7 +95,9 @@ impl Backoff {
     #[inline]
     fn spin(&mut self) -> bool {
         self.rounds = self.rounds.saturating_add(1);
-        if self.mode == SpinMode::Hot || self.rounds <= self.hot {
+        if self.mode == SpinMode::Nap {
+            true
+        } else if self.mode == SpinMode::Hot || self.rounds <= self.hot {
             std::hint::spin_loop();
             false
         } else if self.rounds <= self.hot.saturating_add(YIELD_ROUNDS) {
@@ -88,6 +113,16 @@ impl Backoff {
     pub(crate) fn reset(&mut self) {
         self.rounds = 0;
     }
+}
+
+/// Sets the calling thread's timer slack to [`SHORT_NAP_SLACK_NS`], for a
+/// thread that waits in [`SpinMode::Nap`]'s short naps (each nap's end is
+/// then late by at most that much, not by Linux's default 50 us). Only
+/// this thread's timers change. Returns false if the kernel refused.
+pub(crate) fn tighten_timer_slack() -> bool {
+    // SAFETY: PR_SET_TIMERSLACK takes one integer argument and changes only
+    // the calling thread's timer slack; no memory is passed.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, SHORT_NAP_SLACK_NS, 0, 0, 0) == 0 }
 }
 
 /// Sleeps for `d`, to a deadline on the monotonic clock.
@@ -172,6 +207,44 @@ mod tests {
     use super::{settle, sleep, SETTLE, SETTLE_MAX};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn each_mode_polls_yields_and_naps_in_its_order() {
+        use super::{Backoff, NAP, SHORT_NAP, YIELD_ROUNDS};
+        use crate::config::SpinMode;
+        // Nap: a nap from the first idle round, a short one.
+        let mut b = Backoff::new(SpinMode::Nap, 1000);
+        assert!(b.spin() && b.spin());
+        assert_eq!(b.nap(), SHORT_NAP);
+        // Adaptive: `hot` polls and the yields first, then naps of NAP.
+        let mut b = Backoff::new(SpinMode::Adaptive, 3);
+        let rounds = (0..3 + YIELD_ROUNDS).filter(|_| b.spin()).count();
+        assert_eq!(rounds, 0);
+        assert!(b.spin());
+        assert_eq!(b.nap(), NAP);
+        b.reset();
+        assert!(!b.spin(), "a reset wait polls hot again");
+        // Hot: never naps.
+        let mut b = Backoff::new(SpinMode::Hot, 0);
+        assert!((0..3 * YIELD_ROUNDS).all(|_| !b.spin()));
+        assert!(SHORT_NAP < NAP);
+    }
+
+    #[test]
+    fn the_timer_slack_narrows_for_this_thread_only() {
+        use super::{tighten_timer_slack, SHORT_NAP_SLACK_NS};
+        // SAFETY: PR_GET_TIMERSLACK takes no pointer; it returns the slack.
+        let get = || unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) };
+        let before = get();
+        let inside = std::thread::spawn(move || {
+            assert!(tighten_timer_slack());
+            get()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(inside as libc::c_ulong, SHORT_NAP_SLACK_NS);
+        assert_eq!(get(), before, "another thread's slack changed");
+    }
 
     #[test]
     fn the_largest_sleep_neither_overflows_nor_ends_at_once() {

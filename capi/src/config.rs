@@ -129,7 +129,7 @@ pub(crate) unsafe fn builder(config: *const arxConfig_t) -> Result<Builder, Erro
     if let Some(s) = choice("arxConfig_t.staging", c.staging, &stagings)? {
         b = b.staging(s);
     }
-    let spins = [SpinMode::Adaptive, SpinMode::Hot];
+    let spins = [SpinMode::Adaptive, SpinMode::Hot, SpinMode::Nap];
     if let Some(s) = choice("arxConfig_t.spin", c.spin, &spins)? {
         b = b.spin(s);
     }

@@ -189,6 +189,11 @@ fn config_null_and_initializer_are_accepted() {
     c.rdmaDevices = c"rocep1s0f0, roceP2p1s0f0".as_ptr();
     // SAFETY: a whole initialised struct; the string is static.
     assert!(unsafe { crate::config::builder(&c) }.is_ok());
+    for spin in [arxSpin_t::arxSpinAdaptive, arxSpin_t::arxSpinNap] {
+        c.spin = spin as i32;
+        // SAFETY: as above.
+        assert!(unsafe { crate::config::builder(&c) }.is_ok(), "{spin:?}");
+    }
 }
 
 #[test]

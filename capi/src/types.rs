@@ -143,6 +143,9 @@ pub enum arxSpin_t {
     arxSpinAdaptive = 0,
     /// Never yield the core.
     arxSpinHot = 1,
+    /// Nap 20 us between polls from the first idle round (for threads that
+    /// share a CPU with one that never yields; `ARX_SPIN=nap`).
+    arxSpinNap = 2,
 }
 
 /// `arxConfig_t.magic`.

@@ -128,6 +128,12 @@ pub enum SpinMode {
     Adaptive,
     /// Never give up the core (one rank per node, dedicated cores).
     Hot,
+    /// Sleep in short naps (20 us) from the first idle round, never poll
+    /// hot: for threads that share their CPU with a thread that never
+    /// yields. A GPU instance's proxy takes it by itself when it must share
+    /// the caller's only CPU (under `Adaptive`, the default; README, *CPU
+    /// binding on one node*). Each call waits about a nap longer.
+    Nap,
 }
 
 macro_rules! parse_enum {
@@ -151,7 +157,7 @@ parse_enum!(DeviceKind, "ARX_DEVICE", { "auto" => DeviceKind::Auto, "host" => De
 parse_enum!(FabricKind, "ARX_FABRIC", { "auto" => FabricKind::Auto, "shm" => FabricKind::Shm, "verbs" => FabricKind::Verbs });
 parse_enum!(Staging, "ARX_STAGING", { "sm" => Staging::Sm, "copy" => Staging::CopyEngine, "ce" => Staging::CopyEngine });
 parse_enum!(Algo, "ARX_ALGO", { "auto" => Algo::Auto, "oneshot" => Algo::OneShot, "one-shot" => Algo::OneShot, "twoshot" => Algo::TwoShot, "two-shot" => Algo::TwoShot });
-parse_enum!(SpinMode, "ARX_SPIN", { "adaptive" => SpinMode::Adaptive, "hot" => SpinMode::Hot });
+parse_enum!(SpinMode, "ARX_SPIN", { "adaptive" => SpinMode::Adaptive, "hot" => SpinMode::Hot, "nap" => SpinMode::Nap });
 
 impl FabricKind {
     pub(crate) fn code(self) -> u8 {

@@ -41,6 +41,8 @@ fn environment_is_read() {
     assert_eq!(c.slot_bytes, 65536);
     assert_eq!(c.timeout, Duration::from_millis(2500));
     assert_eq!(c.spin, SpinMode::Hot);
+    assert_eq!(with(&[("ARX_SPIN", "NAP")]).unwrap().spin, SpinMode::Nap);
+    assert!(with(&[("ARX_SPIN", "naps")]).is_err());
     assert_eq!(c.staging, Staging::CopyEngine);
     assert_eq!(
         c.devices.as_deref(),

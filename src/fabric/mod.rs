@@ -134,9 +134,15 @@ pub(crate) mod fake {
         let region = Arc::new(crate::layout::Region::anonymous(layout.region_bytes()).unwrap());
         let cfg = crate::config::Config::resolve_with(o, |_| None).unwrap();
         let (fabric, control) = FakeFabric::new();
-        let proxy =
-            crate::proxy::Proxy::start(Box::new(fabric), Arc::clone(&region), layout, &cfg, None)
-                .unwrap();
+        let proxy = crate::proxy::Proxy::start(
+            Box::new(fabric),
+            Arc::clone(&region),
+            layout,
+            &cfg,
+            None,
+            None,
+        )
+        .unwrap();
         (region, layout, cfg, control, proxy)
     }
 
