@@ -321,9 +321,9 @@ pub use cudarc;
 
 pub use builder::Builder;
 pub use config::{
-    parse_bytes, Algo, Config, DeviceKind, FabricKind, SpinMode, Staging, DEFAULT_INIT_TIMEOUT,
-    DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, GPU_TWOSHOT_FROM_BYTES, MAX_GPU_BLOCKS, MAX_GPU_UNROLL,
-    MAX_SPIN_HOT, MAX_TIMEOUT, MIN_TIMEOUT, TWOSHOT_FROM_BYTES,
+    host_twoshot_from_bytes, parse_bytes, Algo, Config, DeviceKind, FabricKind, SpinMode, Staging,
+    DEFAULT_INIT_TIMEOUT, DEFAULT_SLOT_BYTES, DEFAULT_TIMEOUT, GPU_TWOSHOT_FROM_BYTES,
+    MAX_GPU_BLOCKS, MAX_GPU_UNROLL, MAX_SPIN_HOT, MAX_TIMEOUT, MIN_TIMEOUT,
 };
 pub use device::platform::{GpuAttrs, GpuPlatform, RegionAlloc};
 pub use dtype::{CallDesc, CallKind, Dtype, Element, Pattern};

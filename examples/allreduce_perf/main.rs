@@ -622,8 +622,11 @@ fn run_host(
             })
             .collect();
         run.report.set("algos", J::Arr(algos));
-        run.report
-            .set("twoshot_from_bytes", J::Int(arx::TWOSHOT_FROM_BYTES as i64));
+        let from = arx::host_twoshot_from_bytes(n);
+        run.report.set(
+            "twoshot_from_bytes",
+            from.map_or(J::Null, |b| J::Int(b as i64)),
+        );
         println!(
             "# arx: allreduce_host, out of place; time = {} per call of -n back-to-back calls",
             if args.median { "median" } else { "mean" }
@@ -635,11 +638,10 @@ fn run_host(
                 i.name,
                 a.name(),
                 if a == arx::Algo::Auto {
-                    format!(
-                        " (host side: two-shot from {} B at 2 ranks or more; here {})",
-                        arx::TWOSHOT_FROM_BYTES,
-                        if n >= 2 { "by size" } else { "one-shot" }
-                    )
+                    match from {
+                        Some(b) => format!(" (host side: two-shot from {b} B at {n} ranks)"),
+                        None => format!(" (host side: one-shot at {n} rank)"),
+                    }
                 } else {
                     String::new()
                 }

@@ -58,18 +58,26 @@ pub enum Algo {
     TwoShot,
 }
 
-/// On the host device side, from this many bytes per call the automatic
-/// choice is two-shot, at any world size. Measured with `allreduce_perf
-/// -A all` on 16 cores, Host+Shm (docs/BENCHMARKS.md, "One-shot vs
-/// two-shot"): two-shot was faster at every size from 8 KiB (the smallest
-/// measured) to 4 MiB at 3, 4 and 8 ranks in bf16 and float, but for 3
-/// ranks float at 8 KiB (equal, 0.99×), and at 2 ranks in bf16 and half
-/// (1.06-2.1×; float 2 ranks: two-shot from 8 KiB as fast or faster than
-/// one-shot's earlier run) — the CPU's sum of N partials, which two-shot
-/// cuts to one shard, dominates there, also at 2 ranks where both move
-/// the same bytes. Below 8 KiB is not measured: one-shot's single round
-/// trip is kept.
-pub const TWOSHOT_FROM_BYTES: usize = 8 << 10;
+/// On the host device side, the smallest call (bytes) the automatic choice
+/// runs as two-shot at `world` ranks (`None`: never, one rank). Measured
+/// with `allreduce_perf -A all` on 16 cores, Host+Shm, one core per rank,
+/// float and bf16, five rounds (docs/BENCHMARKS.md, "One-shot vs two-shot",
+/// 2026-12-04): at 2 ranks one-shot was faster up to 64 KiB (both move the
+/// same bytes there, and one-shot's single round trip wins) and two-shot
+/// from 128 KiB; at 3 ranks they were even from 8 to 32 KiB and two-shot
+/// ahead from 16 KiB in bf16, 16-32 KiB in float; at 4 to 6 ranks two-shot
+/// was faster from 2 KiB (1.2-1.5x), even at 1 KiB; at 8 ranks from 1 KiB
+/// (1.2x). More ranks make one-shot's sum of N partials the cost, which
+/// two-shot cuts to one shard. Worlds above 8 take 8's threshold.
+pub const fn host_twoshot_from_bytes(world: usize) -> Option<usize> {
+    match world {
+        0 | 1 => None,
+        2 => Some(128 << 10),
+        3 => Some(16 << 10),
+        4..=7 => Some(2 << 10),
+        _ => Some(1 << 10),
+    }
+}
 
 /// On the GPU device side, from this many bytes per call, at 4 ranks or
 /// more, the automatic choice is two-shot. Measured on one H200 with the
@@ -86,19 +94,29 @@ impl Algo {
     /// host calls on a GPU instance follow the GPU rule, so that every rank
     /// of an instance decides alike whichever kind of call it makes).
     ///
-    /// Automatic: on the host side two-shot from
-    /// [`TWOSHOT_FROM_BYTES`] (2 ranks and more); on the GPU side two-shot from 4 ranks and
-    /// [`GPU_TWOSHOT_FROM_BYTES`]; otherwise one-shot.
+    /// Automatic: two-shot from [`Algo::twoshot_from_bytes`], otherwise
+    /// one-shot.
     pub fn choose(self, world: usize, bytes: usize, gpu: bool) -> Algo {
-        let two = if gpu {
-            world >= 4 && bytes >= GPU_TWOSHOT_FROM_BYTES
-        } else {
-            world >= 2 && bytes >= TWOSHOT_FROM_BYTES
-        };
+        let two = Self::twoshot_from_bytes(world, gpu).is_some_and(|from| bytes >= from);
         match self {
             Algo::Auto if two => Algo::TwoShot,
             Algo::Auto => Algo::OneShot,
             fixed => fixed,
+        }
+    }
+    /// The smallest call (bytes) that the automatic choice runs as
+    /// two-shot over `world` ranks on the GPU side (`gpu`: from 4 ranks,
+    /// [`GPU_TWOSHOT_FROM_BYTES`]) or the host side
+    /// ([`host_twoshot_from_bytes`]); `None`: always one-shot.
+    pub const fn twoshot_from_bytes(world: usize, gpu: bool) -> Option<usize> {
+        if gpu {
+            if world >= 4 {
+                Some(GPU_TWOSHOT_FROM_BYTES)
+            } else {
+                None
+            }
+        } else {
+            host_twoshot_from_bytes(world)
         }
     }
     /// Its code in the start-up record every rank compares

@@ -260,12 +260,14 @@ fn a_bindings_refusal_is_returned_and_keeps_the_start_up_bound() {
     assert_eq!(Config::init_timeout_or_default(&o), Duration::from_secs(3));
 }
 
-/// The automatic algorithm follows the measured thresholds: host side from
-/// TWOSHOT_FROM_BYTES at 2 ranks and more; GPU side from 4 ranks and
-/// GPU_TWOSHOT_FROM_BYTES; never at 1 rank; a fixed choice is kept.
+/// The automatic algorithm follows the measured thresholds, restated here
+/// from docs/BENCHMARKS.md ("One-shot vs two-shot"): host side two-shot
+/// from 128 KiB at 2 ranks, 16 KiB at 3, 2 KiB at 4 to 7, 1 KiB from 8;
+/// GPU side from 4 ranks and GPU_TWOSHOT_FROM_BYTES; never at 1 rank; a
+/// fixed choice is kept.
 #[test]
 fn the_automatic_algorithm_follows_the_measured_thresholds() {
-    use super::{Algo, GPU_TWOSHOT_FROM_BYTES as G, TWOSHOT_FROM_BYTES as H};
+    use super::{Algo, GPU_TWOSHOT_FROM_BYTES as G};
     let a = Algo::Auto;
     for gpu in [false, true] {
         assert_eq!(a.choose(1, 1 << 30, gpu), Algo::OneShot);
@@ -273,15 +275,33 @@ fn the_automatic_algorithm_follows_the_measured_thresholds() {
         assert_eq!(Algo::TwoShot.choose(2, 0, gpu), Algo::TwoShot);
         assert_eq!(Algo::OneShot.choose(16, 1 << 30, gpu), Algo::OneShot);
     }
-    assert_eq!(a.choose(2, H - 1, false), Algo::OneShot);
-    assert_eq!(a.choose(2, H, false), Algo::TwoShot);
-    assert_eq!(a.choose(3, H - 1, false), Algo::OneShot);
-    assert_eq!(a.choose(3, H, false), Algo::TwoShot);
+    let host = [
+        (2, 128 << 10),
+        (3, 16 << 10),
+        (4, 2048),
+        (5, 2048),
+        (7, 2048),
+        (8, 1024),
+        (16, 1024),
+        (256, 1024),
+    ];
+    for (world, from) in host {
+        assert_eq!(
+            a.choose(world, from - 1, false),
+            Algo::OneShot,
+            "{world} ranks"
+        );
+        assert_eq!(a.choose(world, from, false), Algo::TwoShot, "{world} ranks");
+        assert_eq!(super::host_twoshot_from_bytes(world), Some(from));
+    }
+    assert_eq!(super::host_twoshot_from_bytes(1), None);
     assert_eq!(a.choose(2, 1 << 30, true), Algo::OneShot);
     assert_eq!(a.choose(3, 1 << 30, true), Algo::OneShot);
     assert_eq!(a.choose(4, G - 1, true), Algo::OneShot);
     assert_eq!(a.choose(4, G, true), Algo::TwoShot);
     assert_eq!(a.choose(8, G, true), Algo::TwoShot);
+    assert_eq!(Algo::twoshot_from_bytes(3, true), None);
+    assert_eq!(Algo::twoshot_from_bytes(4, true), Some(G));
 }
 
 #[test]

@@ -241,16 +241,9 @@ impl Device {
                     self.layout.world(),
                     if gpu { "GPU" } else { "host" },
                     a.name(),
-                    if gpu {
-                        format!(
-                            " (two-shot from 4 ranks and {} bytes on the GPU side)",
-                            crate::config::GPU_TWOSHOT_FROM_BYTES
-                        )
-                    } else {
-                        format!(
-                            " (two-shot from 2 ranks and {} bytes)",
-                            crate::config::TWOSHOT_FROM_BYTES
-                        )
+                    match crate::Algo::twoshot_from_bytes(self.layout.world(), gpu) {
+                        Some(from) => format!(" (two-shot from {from} bytes at this world size)"),
+                        None => " (always one-shot at this world size)".to_string(),
                     }
                 )
             });

@@ -105,9 +105,9 @@ pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
     one_answer_of::<bf16>(ctx, &mut insts, &mut call)?;
     one_answer_of::<f16>(ctx, &mut insts, &mut call)?;
     one_answer_of::<f32>(ctx, &mut insts, &mut call)?;
-    // The automatic choice above its threshold (two-shot from 3 ranks)
+    // The automatic choice above its threshold (two-shot from 2 ranks)
     // against one-shot, on a slot large enough for one call.
-    let big = arx::TWOSHOT_FROM_BYTES / 4 + 5;
+    let big = arx::host_twoshot_from_bytes(ctx.n).unwrap_or(4096) / 4 + 5;
     let mut auto = builder()
         .slot_bytes(1 << 20)
         .build(ctx.world)
