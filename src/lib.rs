@@ -56,7 +56,7 @@
 //! | call timeout | 1 ms to 24 h, in ms (`ARX_TIMEOUT_MS`): every wait of a call, [`Arx::barrier`], the collective close at drop | 10 s |
 //! | start-up timeout | 1 ms to 24 h, in ms (`ARX_INIT_TIMEOUT_MS`): each collective step of start-up | 60 s |
 //! | stall warning | 1 ms to 24 h, in ms (`ARX_STALL_WARN_MS`) | 2 s, or half the call timeout if less |
-//! | spin | `adaptive`, `hot` (`ARX_SPIN`); hot polls before yielding, 0 to 10⁷ (`ARX_SPIN_HOT`, no builder method) | adaptive; polls chosen from ranks per core |
+//! | spin | `adaptive`, `hot`, `nap` (`ARX_SPIN`); hot polls before yielding, 0 to 10⁷ (`ARX_SPIN_HOT`, no builder method) | adaptive (a GPU instance's proxy on its caller's only CPU naps); polls chosen from ranks per core |
 //! | shm copy threads | threads beside each rank's proxy that copy posts of 64 KiB and more on the shm fabric, 0 to 15 (`ARX_SHM_COPY_THREADS`, no builder method) | half of the rank's cores less one, at most 3 (a rank's cores: the fewer of its binding's CPUs and the node's online CPUs divided by its ranks; a GPU instance bound to one CPU gets an unbound rank's count, pinned off the main threads' CPUs with its proxy: README, CPU binding on one node) |
 //! | CUDA device | ordinal (`ARX_CUDA_DEVICE`) | node-local rank modulo visible devices |
 //! | RDMA devices, GID index, proxy CPU | `ARX_DEVICES`, `ARX_GID_INDEX`, `ARX_PROXY_CPU` | chosen by topology (shm: pinned only for a GPU instance bound to one CPU) |
