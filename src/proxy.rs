@@ -449,7 +449,8 @@ fn note_shared_cpu(
     spinning_caller: Option<usize>,
     own: Option<usize>,
 ) {
-    if spin == SpinMode::Nap && !crate::spin::tighten_timer_slack() {
+    // Every wait of this thread naps from now on, the fabric's own too.
+    if spin == SpinMode::Nap && !crate::spin::nap_on_this_thread() {
         log::debug!("arx proxy: rank {rank}: the timer slack stays as it was (prctl refused)");
     }
     let Some(c) = spinning_caller.filter(|&c| own == Some(c)) else {

@@ -13,6 +13,7 @@
 //! [`SpinMode::Nap`] naps from the first idle round; a thread that slept
 //! preempts the spinning one when it wakes, so it is late by about a nap.
 
+use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 use crate::config::SpinMode;
@@ -35,6 +36,24 @@ pub(crate) const SHORT_NAP: Duration = Duration::from_micros(20);
 /// 20 us nap to about 70.
 const SHORT_NAP_SLACK_NS: libc::c_ulong = 10_000;
 
+thread_local! {
+    /// Set on a thread that shares its CPU with one that never yields
+    /// ([`nap_on_this_thread`]).
+    static NAPS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks the calling thread as one that shares its only CPU with a thread
+/// that never yields (a GPU instance's proxy on its caller's CPU): every
+/// [`SpinMode::Adaptive`] wait it starts from now on is a
+/// [`SpinMode::Nap`] one, also the fabric's own waits inside a post (a
+/// full send queue, a relay), and its timer slack narrows
+/// ([`tighten_timer_slack`]). Returns false if the kernel refused the
+/// slack.
+pub(crate) fn nap_on_this_thread() -> bool {
+    NAPS.with(|n| n.set(true));
+    tighten_timer_slack()
+}
+
 /// One wait's spin state.
 pub(crate) struct Backoff {
     mode: SpinMode,
@@ -44,6 +63,11 @@ pub(crate) struct Backoff {
 
 impl Backoff {
     pub(crate) fn new(mode: SpinMode, hot: u32) -> Self {
+        let mode = if mode == SpinMode::Adaptive && NAPS.with(Cell::get) {
+            SpinMode::Nap
+        } else {
+            mode
+        };
         Backoff {
             mode,
             hot,
@@ -228,6 +252,24 @@ mod tests {
         let mut b = Backoff::new(SpinMode::Hot, 0);
         assert!((0..3 * YIELD_ROUNDS).all(|_| !b.spin()));
         assert!(SHORT_NAP < NAP);
+    }
+
+    #[test]
+    fn a_napping_thread_turns_its_adaptive_waits_into_naps() {
+        use super::{nap_on_this_thread, Backoff, SHORT_NAP};
+        use crate::config::SpinMode;
+        let (inside, hot) = std::thread::spawn(|| {
+            assert!(nap_on_this_thread());
+            let mut a = Backoff::new(SpinMode::Adaptive, 1000);
+            let mut h = Backoff::new(SpinMode::Hot, 1000);
+            ((a.spin(), a.nap()), h.spin())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(inside, (true, SHORT_NAP), "an adaptive wait naps at once");
+        assert!(!hot, "an explicit hot wait stays hot");
+        // This thread was not marked.
+        assert!(!Backoff::new(SpinMode::Adaptive, 1000).spin());
     }
 
     #[test]
