@@ -439,9 +439,16 @@ fn threads_named(prefix: &str) -> Result<Vec<(String, Vec<usize>)>, String> {
 fn placement(ctx: &Ctx) -> Result<(), String> {
     let main = allowed_cpus(&format!("{}", unsafe_gettid()))?;
     let sole = (main.len() == 1).then(|| main[0]);
+    // The CPUs this process may use: the node's online CPUs that a thread
+    // of it can bind itself to (a cgroup's cpuset leaves some out; a
+    // short-lived thread tries each, so this thread's binding stays).
     let online = std::fs::read_to_string("/sys/devices/system/cpu/online")
         .map_err(|e| format!("online CPUs: {e}"))
         .and_then(|s| cpu_list(s.trim()))?;
+    let online: Vec<usize> =
+        std::thread::spawn(move || online.into_iter().filter(|&c| may_bind_to(c)).collect())
+            .join()
+            .map_err(|_| "the CPU probe thread panicked".to_string())?;
     let mut arx = builder()
         .build(ctx.world)
         .map_err(|e| format!("Arx::new: {e}"))?;
@@ -487,7 +494,7 @@ fn placement(ctx: &Ctx) -> Result<(), String> {
         .collect();
     let text = format!(
         "rank {}: main CPUs {main:?}, proxy {proxy:?}, copy threads {copies:?}, node mains \
-         {mains:?}, proxies {proxy_cpus:?}, online {online:?}",
+         {mains:?}, proxies {proxy_cpus:?}, usable {online:?}",
         ctx.rank
     );
     if ctx.rank == 0 {
@@ -708,6 +715,22 @@ fn together<T>(ctx: &Ctx, r: Result<T, String>) -> Result<T, String> {
             Err(format!("rank {first_failed} failed at the same step"))
         }
         Ok(v) => Ok(v),
+    }
+}
+
+/// Whether the calling thread can bind itself to CPU `cpu` (it is then
+/// bound there: call it on a thread of its own).
+fn may_bind_to(cpu: usize) -> bool {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return false;
+    }
+    // SAFETY: an all-zero cpu_set_t is the empty set; CPU_SET writes below
+    // CPU_SETSIZE (checked); sched_setaffinity(0) reads the set given for
+    // the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
     }
 }
 
