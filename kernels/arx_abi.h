@@ -53,8 +53,11 @@ typedef unsigned int uint32_t;
 
 /* "ARX1" as a little-endian u32. */
 #define ARX_MAGIC 0x31585241u
-/* Bump on any change to this file or to the wire format (src/wire.rs). */
-#define ARX_ABI_VERSION 9u
+/* Bump on any change to this file, to the wire format (src/wire.rs), to
+ * the start-up's collective steps, or to a rule every rank must apply alike
+ * (the automatic algorithm: 10, per-world host thresholds and the main
+ * threads' CPUs gathered on GPU instances). */
+#define ARX_ABI_VERSION 10u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u

@@ -82,6 +82,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         FabricKind::Auto => FabricKind::Verbs,
         k => k,
     };
+    // The resolved settings name the fabric in use (the automatic
+    // algorithm's thresholds depend on it: `Algo::choose`).
+    cfg.fabric = fabric_kind;
     if fabric_kind == FabricKind::Shm && !one_node {
         let other = infos
             .iter()
@@ -98,6 +101,32 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     // The CUDA context: this rank's index among the ranks of its node
     // picks the device unless one was set.
     let ranks_on_node = infos.iter().filter(|p| p.host == infos[rank].host).count();
+    // The CPUs this node's GPU callers are bound to alone: their CUDA
+    // synchronize spins there, so a thread of arx's that ends up on one of
+    // them naps instead of polling (`proxy::proxy_spin`). (Host callers
+    // post their own calls.) Every rank takes the same side, so every
+    // rank gathers or none does.
+    let spinning_callers: Vec<usize> = if want_gpu {
+        let sole = topology::sole_bound_cpu().map_or(u64::MAX, |c| c as u64);
+        let all = boot.all_gather_bytes("main threads' CPUs", &sole.to_le_bytes())?;
+        let mut cpus = Vec::new();
+        for (r, b) in all.iter().enumerate() {
+            let c = <[u8; 8]>::try_from(b.as_slice())
+                .map(u64::from_le_bytes)
+                .map_err(|_| {
+                    Error::Topology(format!(
+                        "rank {r} sent a malformed main thread CPU ({} bytes)",
+                        b.len()
+                    ))
+                })?;
+            if infos[r].host == infos[rank].host && c != u64::MAX {
+                cpus.push(c as usize);
+            }
+        }
+        cpus
+    } else {
+        Vec::new()
+    };
     let ctx = if want_gpu {
         let local = infos[..rank]
             .iter()
@@ -126,7 +155,8 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         FabricKind::Shm => {
             let setup = fabric::shm::establish(&boot, &layout)?;
             let region = Arc::clone(&setup.regions[rank]);
-            let place = shm_placement(&boot, &cfg, &layout, rank, want_gpu)?;
+            let mut place = shm_placement(&boot, &cfg, &layout, rank, want_gpu)?;
+            place.spinning_callers = spinning_callers.clone();
             topology_cpu = place.proxy;
             (
                 region,
@@ -186,12 +216,6 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     };
     let fabric_name = fabric.name();
     let fabric_desc = fabric.describe();
-    // A GPU instance's caller spins in its CUDA synchronize: a proxy left
-    // on that caller's one CPU must nap (`proxy::proxy_spin`).
-    let spinning_caller = match side {
-        Side::Gpu(_) => topology::sole_bound_cpu(),
-        Side::Host => None,
-    };
     let proxy = boot.agree("proxy start", {
         let cpu = cfg.proxy_cpu.or(topology_cpu);
         Proxy::start(
@@ -200,7 +224,7 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
             layout,
             &cfg,
             cpu,
-            spinning_caller,
+            &spinning_callers,
         )
     })?;
     boot.barrier("start-up barrier")?;

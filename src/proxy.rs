@@ -217,21 +217,23 @@ pub(crate) struct Proxy {
 
 impl Proxy {
     /// Starts the proxy over `fabric`, pinned to `cpu` if given.
-    /// `spinning_caller`: the one CPU the caller's thread is bound to when
-    /// that thread spins without yielding while calls run (a GPU instance's:
-    /// its CUDA synchronize spins); a proxy that ends up on that CPU alone
-    /// naps instead of polling ([`proxy_spin`]).
+    /// `spinning_callers`: the CPUs that this node's callers are bound to
+    /// alone when they spin without yielding while calls run (GPU
+    /// instances': the CUDA synchronize spins); a proxy that ends up on one
+    /// of them alone naps instead of polling ([`proxy_spin`]).
+    /// `by_hand`: its CPU came from `ARX_PROXY_CPU` (for the warning).
     pub fn start(
         fabric: Box<dyn Fabric>,
         region: Arc<Region>,
         layout: Layout,
         cfg: &Config,
         cpu: Option<usize>,
-        spinning_caller: Option<usize>,
+        spinning_callers: &[usize],
     ) -> Result<Self> {
         let shared = Arc::new(Shared::new(fabric, region, &layout));
         let s = Arc::clone(&shared);
         let cfg2 = cfg.clone();
+        let spinning = spinning_callers.to_vec();
         let thread = std::thread::Builder::new()
             .name(format!("arx-proxy-{}", layout.rank()))
             .spawn(move || {
@@ -254,8 +256,9 @@ impl Proxy {
                 // Where the thread really is (a pin can fail, an unpinned
                 // thread inherits the caller's binding).
                 let own = crate::topology::sole_bound_cpu();
-                let spin = proxy_spin(cfg2.spin, spinning_caller, own);
-                note_shared_cpu(layout.rank(), cfg2.spin, spin, spinning_caller, own);
+                let spin = proxy_spin(cfg2.spin, &spinning, own);
+                let by_hand = cfg2.proxy_cpu.is_some();
+                note_shared_cpu(layout.rank(), cfg2.spin, spin, &spinning, own, by_hand);
                 let _ = s.spin.set(spin);
                 run(&s, layout, &cfg2, spin)
             })
@@ -421,21 +424,20 @@ impl Drop for Proxy {
     }
 }
 
-/// The proxy thread's spin mode: [`SpinMode::Adaptive`] (the default)
-/// becomes [`SpinMode::Nap`] when the proxy runs on nothing but the one CPU
-/// of a caller that spins without yielding (`spinning_caller`, see
-/// [`Proxy::start`]; `own`: the proxy's own sole CPU, if it has one). A
-/// polling or yielding proxy there runs only when the scheduler takes the
-/// CPU from the caller at its tick: 4 ms per GPU call on the H200 machine.
-/// A proxy that only naps has slept when it wakes, so it takes the CPU from
-/// the spinning caller at once. Any other mode is the configured one.
-pub(crate) fn proxy_spin(
-    configured: SpinMode,
-    spinning_caller: Option<usize>,
-    own: Option<usize>,
-) -> SpinMode {
-    match (configured, spinning_caller, own) {
-        (SpinMode::Adaptive, Some(c), Some(o)) if c == o => SpinMode::Nap,
+/// The spin mode of a thread arx owns (the proxy, a copy thread):
+/// [`SpinMode::Adaptive`] (the default) becomes [`SpinMode::Nap`] when the
+/// thread runs on nothing but a CPU where a caller spins without yielding
+/// (`spinning`: this node's GPU callers bound to one CPU each, its own
+/// caller or another rank's; `own`: the thread's sole CPU, if it has one).
+/// A polling or yielding thread there runs only when the scheduler takes
+/// the CPU from the caller at its tick: 4 ms per GPU call on the H200
+/// machine. A thread that only naps has slept when it wakes, so it usually
+/// takes the CPU from the spinning caller within its nap (measured: 35 us
+/// per 8 KB call, docs/BENCHMARKS.md; a few calls still wait a tick). Any
+/// other mode is the configured one.
+pub(crate) fn proxy_spin(configured: SpinMode, spinning: &[usize], own: Option<usize>) -> SpinMode {
+    match (configured, own) {
+        (SpinMode::Adaptive, Some(o)) if spinning.contains(&o) => SpinMode::Nap,
         _ => configured,
     }
 }
@@ -446,33 +448,38 @@ fn note_shared_cpu(
     rank: usize,
     configured: SpinMode,
     spin: SpinMode,
-    spinning_caller: Option<usize>,
+    spinning: &[usize],
     own: Option<usize>,
+    by_hand: bool,
 ) {
     // Every wait of this thread naps from now on, the fabric's own too.
     if spin == SpinMode::Nap && !crate::spin::nap_on_this_thread() {
         log::debug!("arx proxy: rank {rank}: the timer slack stays as it was (prctl refused)");
     }
-    let Some(c) = spinning_caller.filter(|&c| own == Some(c)) else {
+    let Some(c) = own.filter(|c| spinning.contains(c)) else {
         return;
     };
-    let advice = "give each rank two CPUs or more (mpirun --map-by slot:PE=2 or --bind-to \
-                  none, srun -c 2), or set ARX_PROXY_CPU";
+    let advice = if by_hand {
+        "ARX_PROXY_CPU put it there: name a CPU no rank is bound to, or unset it"
+    } else {
+        "give each rank two CPUs or more (mpirun --map-by slot:PE=2 or --bind-to none, srun \
+         -c 2), or set ARX_PROXY_CPU to a CPU no rank is bound to"
+    };
     match configured {
         SpinMode::Adaptive => log::warn!(
-            "arx: rank {rank}: the proxy shares CPU {c} with the caller, whose CUDA \
-             synchronize spins: it naps {} us between polls (ARX_SPIN=nap), so each GPU \
-             call waits about that much longer; {advice}",
+            "arx: rank {rank}: the proxy shares CPU {c} with a caller whose CUDA synchronize \
+             spins: it naps {} us between polls (ARX_SPIN=nap), so each GPU call waits about \
+             that much longer (more now and then); {advice}",
             crate::spin::SHORT_NAP.as_micros()
         ),
         SpinMode::Hot => log::warn!(
-            "arx: rank {rank}: the proxy shares CPU {c} with the caller, whose CUDA \
-             synchronize spins, and ARX_SPIN=hot keeps it polling: each GPU call can wait \
-             for a scheduler tick (about 4 ms); unset ARX_SPIN, or {advice}"
+            "arx: rank {rank}: the proxy shares CPU {c} with a caller whose CUDA synchronize \
+             spins, and ARX_SPIN=hot keeps it polling: each GPU call can wait for a \
+             scheduler tick (about 4 ms); unset ARX_SPIN; {advice}"
         ),
         SpinMode::Nap => log::info!(
-            "arx: rank {rank}: the proxy shares CPU {c} with the caller and naps between polls \
-             (ARX_SPIN=nap)"
+            "arx: rank {rank}: the proxy shares CPU {c} with a spinning caller and naps \
+             between polls (ARX_SPIN=nap)"
         ),
     }
 }
@@ -608,40 +615,62 @@ mod tests {
     }
 
     #[test]
-    fn adaptive_naps_only_on_a_spinning_callers_own_cpu() {
+    fn adaptive_naps_only_on_a_spinning_callers_cpu() {
         use SpinMode::{Adaptive, Hot, Nap};
-        // (configured, spinning caller's CPU, the proxy's sole CPU) -> mode
-        let cases = [
-            (Adaptive, Some(3), Some(3), Nap),
-            (Adaptive, Some(3), Some(4), Adaptive),
-            (Adaptive, Some(3), None, Adaptive), // the proxy may run elsewhere
-            (Adaptive, None, Some(3), Adaptive), // a host caller posts itself
-            (Hot, Some(3), Some(3), Hot),        // asked for: kept (and warned)
-            (Nap, None, None, Nap),
-            (Nap, Some(3), Some(4), Nap),
+        // (configured, the node's spinning callers' CPUs, the thread's
+        // sole CPU) -> mode
+        let cases: [(SpinMode, &[usize], Option<usize>, SpinMode); 8] = [
+            (Adaptive, &[3], Some(3), Nap),
+            (Adaptive, &[2, 3], Some(2), Nap), // another rank's caller
+            (Adaptive, &[3], Some(4), Adaptive),
+            (Adaptive, &[3], None, Adaptive), // the thread may run elsewhere
+            (Adaptive, &[], Some(3), Adaptive), // host callers post themselves
+            (Hot, &[3], Some(3), Hot),        // asked for: kept (and warned)
+            (Nap, &[], None, Nap),
+            (Nap, &[3], Some(4), Nap),
         ];
-        for (configured, caller, own, want) in cases {
+        for (configured, callers, own, want) in cases {
             assert_eq!(
-                proxy_spin(configured, caller, own),
+                proxy_spin(configured, callers, own),
                 want,
-                "{configured:?} caller {caller:?} proxy {own:?}"
+                "{configured:?} callers {callers:?} thread {own:?}"
             );
         }
     }
 
-    /// The proxy thread judges where it really runs: pinned to the
-    /// caller's CPU, or unpinned and inheriting a caller's one-CPU binding,
-    /// it naps; pinned elsewhere it keeps the configured mode.
+    /// The CPUs this test may bind threads to (from its own binding).
+    fn usable_cpus() -> Vec<usize> {
+        // SAFETY: an all-zero cpu_set_t is the empty set; sched_getaffinity
+        // writes at most its size for the calling thread; CPU_ISSET reads
+        // below CPU_SETSIZE.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+                return Vec::new();
+            }
+            (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect()
+        }
+    }
+
+    /// The proxy thread judges where it really runs: pinned to a spinning
+    /// caller's CPU, or unpinned and inheriting a caller's one-CPU
+    /// binding, it naps; pinned elsewhere it keeps the configured mode.
     #[test]
-    fn a_proxy_on_the_spinning_callers_cpu_naps() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    fn a_proxy_on_a_spinning_callers_cpu_naps() {
+        let cpus = usable_cpus();
+        let Some(&c0) = cpus.first() else {
+            panic!("no CPU this test may use");
+        };
         let cfg = Config::resolve_with(&Overrides::default(), |_| None).unwrap();
         assert_eq!(cfg.spin, SpinMode::Adaptive);
-        let start = move |cpu: Option<usize>, caller: Option<usize>| {
+        let start = move |cpu: Option<usize>, callers: Vec<usize>| {
             let layout = Layout::new(2, 0, 4096).unwrap();
             let region = Arc::new(Region::anonymous(layout.region_bytes()).unwrap());
             let (fabric, _control) = FakeFabric::new();
-            let proxy = Proxy::start(Box::new(fabric), region, layout, &cfg, cpu, caller).unwrap();
+            let proxy =
+                Proxy::start(Box::new(fabric), region, layout, &cfg, cpu, &callers).unwrap();
             let t = Instant::now();
             while proxy.shared.spin.get().is_none() {
                 assert!(
@@ -653,29 +682,34 @@ mod tests {
             *proxy.shared.spin.get().unwrap()
         };
         assert_eq!(
-            start(Some(0), Some(0)),
+            start(Some(c0), vec![c0]),
             SpinMode::Nap,
             "pinned onto the caller's CPU"
         );
         assert_eq!(
-            start(Some(0), None),
+            start(Some(c0), vec![]),
             SpinMode::Adaptive,
             "no spinning caller"
         );
-        // Unpinned, started from a thread bound to CPU 0 alone: inherits it.
+        // Unpinned, started from a thread bound to c0 alone: inherits it.
         let start2 = start.clone();
         let inherited = std::thread::spawn(move || {
-            crate::topology::pin_current_thread(0).unwrap();
-            start2(None, Some(0))
+            crate::topology::pin_current_thread(c0).unwrap();
+            start2(None, vec![c0])
         })
         .join()
         .unwrap();
         assert_eq!(inherited, SpinMode::Nap, "inherited the caller's one CPU");
-        if n > 1 {
+        if let Some(&c1) = cpus.get(1) {
             assert_eq!(
-                start(Some(1), Some(0)),
+                start(Some(c1), vec![c0]),
                 SpinMode::Adaptive,
                 "a CPU of its own"
+            );
+            assert_eq!(
+                start(Some(c1), vec![c0, c1]),
+                SpinMode::Nap,
+                "another caller's CPU"
             );
         }
     }
@@ -709,7 +743,7 @@ mod tests {
             layout,
             &cfg,
             None,
-            None,
+            &[],
         )
         .unwrap();
         drop(proxy);

@@ -143,8 +143,10 @@ pub enum arxSpin_t {
     arxSpinAdaptive = 0,
     /// Never yield the core.
     arxSpinHot = 1,
-    /// Nap 20 us between polls from the first idle round (for threads that
-    /// share a CPU with one that never yields; `ARX_SPIN=nap`).
+    /// Nap between polls from the first idle round: 20 us plus the
+    /// thread's timer slack (10 us on arx's own threads, Linux's 50 us by
+    /// default on a caller's); for threads that share a CPU with one that
+    /// never yields (`ARX_SPIN=nap`).
     arxSpinNap = 2,
 }
 

@@ -622,7 +622,8 @@ fn run_host(
             })
             .collect();
         run.report.set("algos", J::Arr(algos));
-        let from = arx::host_twoshot_from_bytes(n);
+        let fabric = insts[0].arx.config().fabric;
+        let from = arx::host_twoshot_from_bytes(n, fabric);
         run.report.set(
             "twoshot_from_bytes",
             from.map_or(J::Null, |b| J::Int(b as i64)),
@@ -686,7 +687,10 @@ fn run_host(
                         c,
                         vec![
                             ("algo", J::s(algo.name())),
-                            ("algo_run", J::s(algo.choose(n, size, false).name())),
+                            (
+                                "algo_run",
+                                J::s(algo.choose(n, size, false, i.arx.config().fabric).name()),
+                            ),
                         ],
                     );
                 }

@@ -59,7 +59,8 @@ pub enum Algo {
 }
 
 /// On the host device side, the smallest call (bytes) the automatic choice
-/// runs as two-shot at `world` ranks (`None`: never, one rank). Measured
+/// runs as two-shot at `world` ranks over `fabric` (`None`: never, one
+/// rank). On the Shm fabric (one node), measured
 /// with `allreduce_perf -A all` on 16 cores, Host+Shm, one core per rank,
 /// float and bf16, five rounds (docs/BENCHMARKS.md, "One-shot vs two-shot",
 /// 2026-12-04): at 2 ranks one-shot was faster up to 64 KiB (both move the
@@ -68,14 +69,19 @@ pub enum Algo {
 /// ahead from 16 KiB in bf16, 16-32 KiB in float; at 4 to 6 ranks two-shot
 /// was faster from 2 KiB (1.2-1.5x), even at 1 KiB; at 8 ranks from 1 KiB
 /// (1.2x). More ranks make one-shot's sum of N partials the cost, which
-/// two-shot cuts to one shard. Worlds above 8 take 8's threshold.
-pub const fn host_twoshot_from_bytes(world: usize) -> Option<usize> {
-    match world {
-        0 | 1 => None,
-        2 => Some(128 << 10),
-        3 => Some(16 << 10),
-        4..=7 => Some(2 << 10),
-        _ => Some(1 << 10),
+/// two-shot cuts to one shard. Worlds above 8 (not measured) take 8's
+/// threshold. Over Verbs (between nodes, where each of two-shot's round
+/// trips crosses the network; not measured on a NIC yet) the rule before
+/// these measurements stays: two-shot from 8 KiB at 2 ranks or more.
+/// `FabricKind::Auto` (a fabric not yet resolved) takes the Verbs rule.
+pub const fn host_twoshot_from_bytes(world: usize, fabric: FabricKind) -> Option<usize> {
+    match (fabric, world) {
+        (_, 0 | 1) => None,
+        (FabricKind::Shm, 2) => Some(128 << 10),
+        (FabricKind::Shm, 3) => Some(16 << 10),
+        (FabricKind::Shm, 4..=7) => Some(2 << 10),
+        (FabricKind::Shm, _) => Some(1 << 10),
+        (FabricKind::Verbs | FabricKind::Auto, _) => Some(8 << 10),
     }
 }
 
@@ -95,9 +101,9 @@ impl Algo {
     /// of an instance decides alike whichever kind of call it makes).
     ///
     /// Automatic: two-shot from [`Algo::twoshot_from_bytes`], otherwise
-    /// one-shot.
-    pub fn choose(self, world: usize, bytes: usize, gpu: bool) -> Algo {
-        let two = Self::twoshot_from_bytes(world, gpu).is_some_and(|from| bytes >= from);
+    /// one-shot. `fabric`: the one in use (every rank's is the same).
+    pub fn choose(self, world: usize, bytes: usize, gpu: bool, fabric: FabricKind) -> Algo {
+        let two = Self::twoshot_from_bytes(world, gpu, fabric).is_some_and(|from| bytes >= from);
         match self {
             Algo::Auto if two => Algo::TwoShot,
             Algo::Auto => Algo::OneShot,
@@ -107,8 +113,9 @@ impl Algo {
     /// The smallest call (bytes) that the automatic choice runs as
     /// two-shot over `world` ranks on the GPU side (`gpu`: from 4 ranks,
     /// [`GPU_TWOSHOT_FROM_BYTES`]) or the host side
-    /// ([`host_twoshot_from_bytes`]); `None`: always one-shot.
-    pub const fn twoshot_from_bytes(world: usize, gpu: bool) -> Option<usize> {
+    /// ([`host_twoshot_from_bytes`], over `fabric`); `None`: always
+    /// one-shot.
+    pub const fn twoshot_from_bytes(world: usize, gpu: bool, fabric: FabricKind) -> Option<usize> {
         if gpu {
             if world >= 4 {
                 Some(GPU_TWOSHOT_FROM_BYTES)
@@ -116,7 +123,7 @@ impl Algo {
                 None
             }
         } else {
-            host_twoshot_from_bytes(world)
+            host_twoshot_from_bytes(world, fabric)
         }
     }
     /// Its code in the start-up record every rank compares
@@ -146,9 +153,10 @@ pub enum SpinMode {
     Adaptive,
     /// Never give up the core (one rank per node, dedicated cores).
     Hot,
-    /// Sleep in short naps (20 us) from the first idle round, never poll
-    /// hot: for threads that share their CPU with a thread that never
-    /// yields. A GPU instance's proxy takes it by itself when it must share
+    /// Sleep in short naps from the first idle round, never poll hot: 20
+    /// us plus the thread's timer slack (10 us on arx's own threads,
+    /// Linux's 50 us by default on a caller's). For threads that share
+    /// their CPU with a thread that never yields. A GPU instance's proxy takes it by itself when it must share
     /// the caller's only CPU (under `Adaptive`, the default; README, *CPU
     /// binding on one node*). Each call waits about a nap longer.
     Nap,

@@ -261,21 +261,36 @@ fn a_bindings_refusal_is_returned_and_keeps_the_start_up_bound() {
 }
 
 /// The automatic algorithm follows the measured thresholds, restated here
-/// from docs/BENCHMARKS.md ("One-shot vs two-shot"): host side two-shot
-/// from 128 KiB at 2 ranks, 16 KiB at 3, 2 KiB at 4 to 7, 1 KiB from 8;
-/// GPU side from 4 ranks and GPU_TWOSHOT_FROM_BYTES; never at 1 rank; a
-/// fixed choice is kept.
+/// from docs/BENCHMARKS.md ("One-shot vs two-shot"): host side over Shm
+/// two-shot from 128 KiB at 2 ranks, 16 KiB at 3, 2 KiB at 4 to 7, 1 KiB
+/// from 8; over Verbs from 8 KiB at 2 ranks or more; GPU side from 4 ranks
+/// and GPU_TWOSHOT_FROM_BYTES on either fabric; never at 1 rank; a fixed
+/// choice is kept.
 #[test]
 fn the_automatic_algorithm_follows_the_measured_thresholds() {
-    use super::{Algo, GPU_TWOSHOT_FROM_BYTES as G};
+    use super::{host_twoshot_from_bytes as host, Algo, FabricKind, GPU_TWOSHOT_FROM_BYTES as G};
+    use FabricKind::{Shm, Verbs};
     let a = Algo::Auto;
-    for gpu in [false, true] {
-        assert_eq!(a.choose(1, 1 << 30, gpu), Algo::OneShot);
-        assert_eq!(a.choose(16, 0, gpu), Algo::OneShot);
-        assert_eq!(Algo::TwoShot.choose(2, 0, gpu), Algo::TwoShot);
-        assert_eq!(Algo::OneShot.choose(16, 1 << 30, gpu), Algo::OneShot);
+    for fabric in [Shm, Verbs] {
+        for gpu in [false, true] {
+            assert_eq!(a.choose(1, 1 << 30, gpu, fabric), Algo::OneShot);
+            assert_eq!(a.choose(16, 0, gpu, fabric), Algo::OneShot);
+            assert_eq!(Algo::TwoShot.choose(2, 0, gpu, fabric), Algo::TwoShot);
+            assert_eq!(
+                Algo::OneShot.choose(16, 1 << 30, gpu, fabric),
+                Algo::OneShot
+            );
+        }
+        assert_eq!(host(1, fabric), None);
+        assert_eq!(a.choose(2, 1 << 30, true, fabric), Algo::OneShot);
+        assert_eq!(a.choose(3, 1 << 30, true, fabric), Algo::OneShot);
+        assert_eq!(a.choose(4, G - 1, true, fabric), Algo::OneShot);
+        assert_eq!(a.choose(4, G, true, fabric), Algo::TwoShot);
+        assert_eq!(a.choose(8, G, true, fabric), Algo::TwoShot);
+        assert_eq!(Algo::twoshot_from_bytes(3, true, fabric), None);
+        assert_eq!(Algo::twoshot_from_bytes(4, true, fabric), Some(G));
     }
-    let host = [
+    let shm = [
         (2, 128 << 10),
         (3, 16 << 10),
         (4, 2048),
@@ -285,23 +300,32 @@ fn the_automatic_algorithm_follows_the_measured_thresholds() {
         (16, 1024),
         (256, 1024),
     ];
-    for (world, from) in host {
+    for (world, from) in shm {
         assert_eq!(
-            a.choose(world, from - 1, false),
+            a.choose(world, from - 1, false, Shm),
             Algo::OneShot,
             "{world} ranks"
         );
-        assert_eq!(a.choose(world, from, false), Algo::TwoShot, "{world} ranks");
-        assert_eq!(super::host_twoshot_from_bytes(world), Some(from));
+        assert_eq!(
+            a.choose(world, from, false, Shm),
+            Algo::TwoShot,
+            "{world} ranks"
+        );
+        assert_eq!(host(world, Shm), Some(from));
     }
-    assert_eq!(super::host_twoshot_from_bytes(1), None);
-    assert_eq!(a.choose(2, 1 << 30, true), Algo::OneShot);
-    assert_eq!(a.choose(3, 1 << 30, true), Algo::OneShot);
-    assert_eq!(a.choose(4, G - 1, true), Algo::OneShot);
-    assert_eq!(a.choose(4, G, true), Algo::TwoShot);
-    assert_eq!(a.choose(8, G, true), Algo::TwoShot);
-    assert_eq!(Algo::twoshot_from_bytes(3, true), None);
-    assert_eq!(Algo::twoshot_from_bytes(4, true), Some(G));
+    for world in [2, 3, 4, 8, 64] {
+        assert_eq!(
+            a.choose(world, 8191, false, Verbs),
+            Algo::OneShot,
+            "{world} ranks"
+        );
+        assert_eq!(
+            a.choose(world, 8192, false, Verbs),
+            Algo::TwoShot,
+            "{world} ranks"
+        );
+    }
+    assert_eq!(host(4, FabricKind::Auto), host(4, Verbs));
 }
 
 #[test]

@@ -232,7 +232,10 @@ impl Device {
     /// is logged.
     pub(crate) fn algo(&self, bytes: usize) -> crate::Algo {
         let gpu = matches!(self.side, Side::Gpu(_));
-        let a = self.cfg.algo.choose(self.layout.world(), bytes, gpu);
+        let a = self
+            .cfg
+            .algo
+            .choose(self.layout.world(), bytes, gpu, self.cfg.fabric);
         if self.cfg.algo == crate::Algo::Auto {
             static LOGGED: [std::sync::Once; 2] = [std::sync::Once::new(), std::sync::Once::new()];
             LOGGED[usize::from(a == crate::Algo::TwoShot)].call_once(|| {
@@ -241,7 +244,7 @@ impl Device {
                     self.layout.world(),
                     if gpu { "GPU" } else { "host" },
                     a.name(),
-                    match crate::Algo::twoshot_from_bytes(self.layout.world(), gpu) {
+                    match crate::Algo::twoshot_from_bytes(self.layout.world(), gpu, self.cfg.fabric) {
                         Some(from) => format!(" (two-shot from {from} bytes at this world size)"),
                         None => " (always one-shot at this world size)".to_string(),
                     }

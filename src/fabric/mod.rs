@@ -140,7 +140,7 @@ pub(crate) mod fake {
             layout,
             &cfg,
             None,
-            None,
+            &[],
         )
         .unwrap();
         (region, layout, cfg, control, proxy)

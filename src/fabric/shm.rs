@@ -59,7 +59,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::Bootstrap;
-use crate::config::Config;
+use crate::config::{Config, SpinMode};
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
 use crate::layout::{Backing, Layout, Placed, Region};
@@ -411,7 +411,13 @@ impl ShmFabric {
         };
         let crew = match helpers {
             0 => None,
-            n => Some(Crew::start(n, &place.helpers, layout.rank(), cfg)?),
+            n => Some(Crew::start(
+                n,
+                &place.helpers,
+                &place.spinning_callers,
+                layout.rank(),
+                cfg,
+            )?),
         };
         let pinned_helpers = match crew {
             Some(_) => &place.helpers[..helpers.min(place.helpers.len())],
@@ -613,8 +619,16 @@ struct Crew {
 }
 
 impl Crew {
-    /// `n` helpers, helper i pinned to `cpus[i]` when `cpus` names it.
-    fn start(n: usize, cpus: &[usize], rank: usize, cfg: &Config) -> Result<Self> {
+    /// `n` helpers, helper i pinned to `cpus[i]` when `cpus` names it; a
+    /// helper bound to nothing but one of `spinning` (CPUs where a GPU
+    /// caller spins) naps instead of polling (`proxy::proxy_spin`).
+    fn start(
+        n: usize,
+        cpus: &[usize],
+        spinning: &[usize],
+        rank: usize,
+        cfg: &Config,
+    ) -> Result<Self> {
         let board = Arc::new(Board {
             generation: AtomicU64::new(0),
             job: Mutex::new(None),
@@ -629,6 +643,7 @@ impl Crew {
             let b = Arc::clone(&board);
             let (spin, hot) = (cfg.spin, cfg.spin_hot.unwrap_or(64));
             let cpu = cpus.get(i).copied();
+            let spinning = spinning.to_vec();
             let t = std::thread::Builder::new()
                 .name(format!("arx-copy-{rank}-{i}"))
                 .spawn(move || {
@@ -636,6 +651,11 @@ impl Crew {
                         if let Err(e) = crate::topology::pin_current_thread(c) {
                             log::warn!("arx shm copy thread {i}: could not pin to CPU {c}: {e}");
                         }
+                    }
+                    let own = crate::topology::sole_bound_cpu();
+                    if crate::proxy::proxy_spin(spin, &spinning, own) == SpinMode::Nap {
+                        // (Before the Backoff below: it then naps too.)
+                        crate::spin::nap_on_this_thread();
                     }
                     helper(&b, i, Backoff::new(spin, hot))
                 })

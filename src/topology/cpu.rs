@@ -224,6 +224,10 @@ pub(crate) struct ShmCpus {
     /// The main thread's one CPU, when the proxy must share it (no other
     /// CPU was free): a GPU instance's calls then wait on the scheduler.
     pub shared: Option<usize>,
+    /// The CPUs that this node's GPU callers are bound to alone (their
+    /// CUDA synchronize spins there): a copy thread that ends up on one of
+    /// them naps (`spin::nap_on_this_thread`). Empty for host instances.
+    pub spinning_callers: Vec<usize>,
 }
 
 /// One local rank's facts for the Shm placement; every local rank learns
@@ -447,6 +451,7 @@ pub(crate) fn choose_shm_cpus(cpus: &CpuInfo, ranks: &[ShmRank], me: usize) -> S
         threads,
         note,
         shared: None,
+        spinning_callers: Vec::new(),
     }
 }
 

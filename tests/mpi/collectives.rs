@@ -105,13 +105,16 @@ pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
     one_answer_of::<bf16>(ctx, &mut insts, &mut call)?;
     one_answer_of::<f16>(ctx, &mut insts, &mut call)?;
     one_answer_of::<f32>(ctx, &mut insts, &mut call)?;
-    // The automatic choice above its threshold (two-shot from 2 ranks)
-    // against one-shot, on a slot large enough for one call.
-    let big = arx::host_twoshot_from_bytes(ctx.n).unwrap_or(4096) / 4 + 5;
+    // The automatic choice just above its threshold against one-shot, on a
+    // slot large enough for one call (the same bits by design; that auto
+    // runs two-shot there is the unit test's and allreduce_perf's
+    // `algo_run`).
     let mut auto = builder()
         .slot_bytes(1 << 20)
         .build(ctx.world)
         .map_err(|e| e.to_string())?;
+    let from = arx::host_twoshot_from_bytes(ctx.n, auto.config().fabric).unwrap_or(4096);
+    let big = from / 4 + 5;
     let mut one = builder()
         .slot_bytes(1 << 20)
         .algo(Algo::OneShot)
