@@ -55,8 +55,7 @@ typedef unsigned int uint32_t;
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file, to the wire format (src/wire.rs), to
  * the start-up's collective steps, or to a rule every rank must apply alike
- * (the automatic algorithm: 10, per-world host thresholds and the main
- * threads' CPUs gathered on GPU instances). */
+ * (the automatic algorithm: 10, per-world host thresholds). */
 #define ARX_ABI_VERSION 10u
 
 #define ARX_LANES 2u

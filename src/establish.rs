@@ -101,32 +101,6 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     // The CUDA context: this rank's index among the ranks of its node
     // picks the device unless one was set.
     let ranks_on_node = infos.iter().filter(|p| p.host == infos[rank].host).count();
-    // The CPUs this node's GPU callers are bound to alone: their CUDA
-    // synchronize spins there, so a thread of arx's that ends up on one of
-    // them naps instead of polling (`proxy::proxy_spin`). (Host callers
-    // post their own calls.) Every rank takes the same side, so every
-    // rank gathers or none does.
-    let spinning_callers: Vec<usize> = if want_gpu {
-        let sole = topology::sole_bound_cpu().map_or(u64::MAX, |c| c as u64);
-        let all = boot.all_gather_bytes("main threads' CPUs", &sole.to_le_bytes())?;
-        let mut cpus = Vec::new();
-        for (r, b) in all.iter().enumerate() {
-            let c = <[u8; 8]>::try_from(b.as_slice())
-                .map(u64::from_le_bytes)
-                .map_err(|_| {
-                    Error::Topology(format!(
-                        "rank {r} sent a malformed main thread CPU ({} bytes)",
-                        b.len()
-                    ))
-                })?;
-            if infos[r].host == infos[rank].host && c != u64::MAX {
-                cpus.push(c as usize);
-            }
-        }
-        cpus
-    } else {
-        Vec::new()
-    };
     let ctx = if want_gpu {
         let local = infos[..rank]
             .iter()
@@ -150,14 +124,19 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
 
     // Region and fabric, and the proxy's CPU: the topology's (lanes, proxy
     // CPU) for the Verbs fabric, the Shm placement's for Shm.
+    // And the CPUs this node's GPU callers are bound to alone, from the
+    // same facts: their CUDA synchronize spins there, so a thread of arx's
+    // that ends up on one of them naps instead of polling
+    // (`proxy::proxy_spin`; host callers post their own calls).
     let topology_cpu;
+    let spinning_callers: Vec<usize>;
     let (region, fabric): (Arc<Region>, Box<dyn Fabric>) = match fabric_kind {
         FabricKind::Shm => {
             let setup = fabric::shm::establish(&boot, &layout)?;
             let region = Arc::clone(&setup.regions[rank]);
-            let mut place = shm_placement(&boot, &cfg, &layout, rank, want_gpu)?;
-            place.spinning_callers = spinning_callers.clone();
+            let place = shm_placement(&boot, &cfg, &layout, rank, want_gpu)?;
             topology_cpu = place.proxy;
+            spinning_callers = place.spinning_callers.clone();
             (
                 region,
                 Box::new(boot.agree(
@@ -176,6 +155,11 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
             let local = topology::LocalRank::gather(&boot, &hosts, rank)?;
             let sel = boot.agree("topology", topology::select(&cfg, &local))?;
             topology_cpu = sel.proxy_cpu;
+            spinning_callers = if want_gpu {
+                local.main_cpus.clone()
+            } else {
+                Vec::new()
+            };
             let f = fabric::verbs::connect(&boot, &cfg, &layout, &region, &sel)?;
             (region, Box::new(f))
         }
@@ -306,6 +290,12 @@ fn shm_placement(
                 all.len()
             ))
         })?;
+    // Where GPU callers spin (their main threads' sole CPUs, every rank's).
+    let spinning_callers: Vec<usize> = if gpu {
+        ranks.iter().filter_map(|r| r.sole).collect()
+    } else {
+        Vec::new()
+    };
     if !pin {
         let note = match (cfg.proxy_cpu, sole) {
             (Some(c), _) => format!("proxy on CPU {c} (ARX_PROXY_CPU); copy threads not pinned"),
@@ -323,10 +313,12 @@ fn shm_placement(
             proxy: cfg.proxy_cpu,
             threads: me.want,
             note,
+            spinning_callers,
             ..topology::ShmCpus::default()
         });
     }
-    let place = topology::choose_shm_cpus(&cpus, &ranks, rank);
+    let mut place = topology::choose_shm_cpus(&cpus, &ranks, rank);
+    place.spinning_callers = spinning_callers;
     // (A GPU instance's proxy that shares the caller's CPU says what that
     // costs when it starts: `proxy::Proxy::start`.)
     log::info!("arx: rank {rank}: {}", place.note);

@@ -221,7 +221,6 @@ impl Proxy {
     /// alone when they spin without yielding while calls run (GPU
     /// instances': the CUDA synchronize spins); a proxy that ends up on one
     /// of them alone naps instead of polling ([`proxy_spin`]).
-    /// `by_hand`: its CPU came from `ARX_PROXY_CPU` (for the warning).
     pub fn start(
         fabric: Box<dyn Fabric>,
         region: Arc<Region>,
@@ -253,12 +252,9 @@ impl Proxy {
                         log::warn!("arx proxy: could not pin to CPU {cpu}: {e}");
                     }
                 }
-                // Where the thread really is (a pin can fail, an unpinned
-                // thread inherits the caller's binding).
-                let own = crate::topology::sole_bound_cpu();
-                let spin = proxy_spin(cfg2.spin, &spinning, own);
+                let (spin, own) = settle_thread_spin(cfg2.spin, &spinning);
                 let by_hand = cfg2.proxy_cpu.is_some();
-                note_shared_cpu(layout.rank(), cfg2.spin, spin, &spinning, own, by_hand);
+                note_shared_cpu(layout.rank(), cfg2.spin, &spinning, own, by_hand);
                 let _ = s.spin.set(spin);
                 run(&s, layout, &cfg2, spin)
             })
@@ -442,20 +438,32 @@ pub(crate) fn proxy_spin(configured: SpinMode, spinning: &[usize], own: Option<u
     }
 }
 
-/// Says, once per instance, what a proxy sharing its caller's only CPU
-/// costs, and narrows its timer slack when it naps.
+/// [`proxy_spin`] for the calling thread, arx's own, once pinned: from
+/// where it really runs (a pin can fail, an unpinned thread inherits the
+/// caller's binding). A thread that is to nap is marked
+/// ([`crate::spin::nap_on_this_thread`]), so that every wait it starts
+/// naps, the fabric's own too. Returns the mode and the thread's sole CPU.
+pub(crate) fn settle_thread_spin(
+    configured: SpinMode,
+    spinning: &[usize],
+) -> (SpinMode, Option<usize>) {
+    let own = crate::topology::sole_bound_cpu();
+    let spin = proxy_spin(configured, spinning, own);
+    if spin == SpinMode::Nap && !crate::spin::nap_on_this_thread() {
+        log::debug!("arx: the timer slack of a napping thread stays as it was (prctl refused)");
+    }
+    (spin, own)
+}
+
+/// Says, once per instance, what a proxy sharing a spinning caller's CPU
+/// costs.
 fn note_shared_cpu(
     rank: usize,
     configured: SpinMode,
-    spin: SpinMode,
     spinning: &[usize],
     own: Option<usize>,
     by_hand: bool,
 ) {
-    // Every wait of this thread naps from now on, the fabric's own too.
-    if spin == SpinMode::Nap && !crate::spin::nap_on_this_thread() {
-        log::debug!("arx proxy: rank {rank}: the timer slack stays as it was (prctl refused)");
-    }
     let Some(c) = own.filter(|c| spinning.contains(c)) else {
         return;
     };

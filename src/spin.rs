@@ -143,7 +143,7 @@ impl Backoff {
 /// thread that waits in [`SpinMode::Nap`]'s short naps (each nap's end is
 /// then late by at most that much, not by Linux's default 50 us). Only
 /// this thread's timers change. Returns false if the kernel refused.
-pub(crate) fn tighten_timer_slack() -> bool {
+fn tighten_timer_slack() -> bool {
     // SAFETY: PR_SET_TIMERSLACK takes one integer argument and changes only
     // the calling thread's timer slack; no memory is passed.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, SHORT_NAP_SLACK_NS, 0, 0, 0) == 0 }

@@ -59,7 +59,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::Bootstrap;
-use crate::config::{Config, SpinMode};
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::fabric::Fabric;
 use crate::layout::{Backing, Layout, Placed, Region};
@@ -652,11 +652,8 @@ impl Crew {
                             log::warn!("arx shm copy thread {i}: could not pin to CPU {c}: {e}");
                         }
                     }
-                    let own = crate::topology::sole_bound_cpu();
-                    if crate::proxy::proxy_spin(spin, &spinning, own) == SpinMode::Nap {
-                        // (Before the Backoff below: it then naps too.)
-                        crate::spin::nap_on_this_thread();
-                    }
+                    // (Before the Backoff below, which then naps too.)
+                    crate::proxy::settle_thread_spin(spin, &spinning);
                     helper(&b, i, Backoff::new(spin, hot))
                 })
                 .map_err(|e| Error::Os {

@@ -225,8 +225,9 @@ pub(crate) struct ShmCpus {
     /// CPU was free): a GPU instance's calls then wait on the scheduler.
     pub shared: Option<usize>,
     /// The CPUs that this node's GPU callers are bound to alone (their
-    /// CUDA synchronize spins there): a copy thread that ends up on one of
-    /// them naps (`spin::nap_on_this_thread`). Empty for host instances.
+    /// CUDA synchronize spins there; from every rank's `ShmRank::sole`): a
+    /// proxy or copy thread that ends up on one of them naps
+    /// (`proxy::settle_thread_spin`). Empty for host instances.
     pub spinning_callers: Vec<usize>,
 }
 
