@@ -699,7 +699,7 @@ mod disk_cache_tests {
         let d = fresh("link");
         let a = entry(&d, "a.cubin", 1);
         dc::write(&a, &image(1, 3000));
-        let l = Entry::for_test(d.join("l.cubin"), [1; 32]);
+        let l = entry(&d, "l.cubin", 1);
         std::os::unix::fs::symlink(&a.file, &l.file).unwrap();
         assert!(dc::read(&l).is_none(), "read through a link");
         done(&d);
@@ -745,7 +745,7 @@ mod disk_cache_tests {
         // SAFETY: a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let (tx, rx) = std::sync::mpsc::channel();
-        let f = Entry::for_test(e.file.clone(), [1; 32]);
+        let f = entry(&d, "a.cubin", 1);
         std::thread::spawn(move || tx.send(dc::read(&f).is_none()).unwrap());
         assert_eq!(
             rx.recv_timeout(std::time::Duration::from_secs(20)),
