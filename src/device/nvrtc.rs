@@ -338,6 +338,15 @@ mod disk_cache {
         }
     }
 
+    /// `path` opened for reading, not through a symbolic link and without
+    /// blocking on a FIFO (owner and type are then asked of the open file).
+    fn open_no_follow(path: &Path) -> std::io::Result<std::fs::File> {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+    }
+
     /// The cached CUBIN for `e`, if it is there and passes every check.
     pub(super) fn read(e: &Entry) -> Option<Vec<u8>> {
         let file = &e.file;
@@ -355,18 +364,14 @@ mod disk_cache {
         }
         // Not through a symbolic link, and without blocking on a FIFO;
         // owner, type and contents from the one open file.
-        let opened = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(file)
-            .and_then(|mut f| {
-                let m = f.metadata()?;
-                let mut data = Vec::new();
-                if m.is_file() && m.len() <= MAX_BYTES {
-                    (&mut f).take(MAX_BYTES + 1).read_to_end(&mut data)?;
-                }
-                Ok((f, m, data))
-            });
+        let opened = open_no_follow(file).and_then(|mut f| {
+            let m = f.metadata()?;
+            let mut data = Vec::new();
+            if m.is_file() && m.len() <= MAX_BYTES {
+                (&mut f).take(MAX_BYTES + 1).read_to_end(&mut data)?;
+            }
+            Ok((f, m, data))
+        });
         let (f, m, data) = match opened {
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
             Err(err) => {
@@ -469,11 +474,7 @@ mod disk_cache {
     /// (not followed through a link) of this user's that starts with
     /// MAGIC. Its modification time when it is.
     fn ours(path: &Path) -> Option<std::time::SystemTime> {
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)
-            .ok()?;
+        let mut f = open_no_follow(path).ok()?;
         let m = f.metadata().ok()?;
         let mut head = [0u8; MAGIC.len()];
         (m.is_file() && m.uid() == me() && f.read_exact(&mut head).is_ok() && head == MAGIC)
