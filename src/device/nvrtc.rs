@@ -244,7 +244,7 @@ mod disk_cache {
     const KEEP_PER_ARCH: usize = 4;
     /// A file loaded within this long (its time renewed within twice
     /// RENEW_AFTER) is never removed, however many others are newer.
-    const IN_USE: std::time::Duration = std::time::Duration::from_secs(2 * 3600);
+    const IN_USE: std::time::Duration = std::time::Duration::from_secs(2 * RENEW_AFTER.as_secs());
     /// How stale a loaded file's modification time may grow before a load
     /// renews it (so that many ranks starting at once do not all write
     /// the file's metadata).
