@@ -60,6 +60,8 @@ struct Rank {
     std::thread proxy;
 };
 
+static bool g_failed = false;
+
 static float bf(u16 v) {
     u32 b = (u32)v << 16;
     float f;
@@ -191,7 +193,10 @@ static double run(int world, u32 count, int reps, bool check) {
         CK(cudaStreamDestroy(R[r].s));
     }
     std::sort(runs.begin(), runs.end());
-    if (bad) printf("WRONG or FAILED (%d)\n", bad);
+    if (bad) {
+        printf("WRONG or FAILED (%d)\n", bad);
+        g_failed = true;
+    }
     return runs[runs.size() / 2];
 }
 
@@ -210,5 +215,5 @@ int main(int argc, char **argv) {
         for (int world = 1; world <= maxw; world++)
             printf("%2u KB  %d rank%s  %6.2f us\n", n * 2 / 1024, world, world > 1 ? "s" : " ",
                    run(world, n, 2000, check));
-    return 0;
+    return g_failed ? 1 : 0;
 }
