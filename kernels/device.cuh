@@ -2,8 +2,9 @@
  * arx device helpers shared by every algorithm's kernel (compiled at run time
  * by NVRTC with the other files of kernels/, no CUDA headers):
  *   - memory operations with explicit scopes (PTX memory model),
- *   - bf16/f16 <-> f32 conversions written out so that they match the Rust
- *     `half` crate bit for bit,
+ *   - bf16/f16 <-> f32 conversions bit for bit as the Rust `half` crate
+ *     (the hardware's round-to-nearest-even plus the crate's NaNs on sm_80
+ *     and later, written out before),
  *   - the element types' accumulate/pack helpers (fp32 accumulator),
  *   - failure recording (arx_fail) and the block-uniform ticket helpers.
  */
