@@ -462,7 +462,16 @@ fn knob<T, F: Fn(&str) -> Option<String>>(
     check: impl Fn(&'static str, T) -> Result<T>,
 ) -> Result<Option<T>> {
     match explicit {
-        Some(v) => check(builder_name, v).map(Some),
+        Some(v) => {
+            // The variable is not used; a value it would refuse is most
+            // likely a typo the user should hear about.
+            if let Some(raw) = get(var).filter(|r| !r.trim().is_empty()) {
+                if let Err(e) = parse(raw.trim()) {
+                    log::warn!("arx: {var} is ignored ({builder_name} was given): {e}");
+                }
+            }
+            check(builder_name, v).map(Some)
+        }
         None => match env_var(get, var, parse)? {
             // A refused variable is shown as it was written.
             Some(v) => check(var, v).map(Some).map_err(|e| match e {

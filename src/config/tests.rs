@@ -70,6 +70,28 @@ fn builder_beats_environment() {
 }
 
 #[test]
+fn overridden_or_empty_variables_are_not_used() {
+    // A builder value wins even over a variable that would be refused (it
+    // is only logged as a warning), and an empty variable is unset.
+    let o = Overrides {
+        spin: Some(SpinMode::Nap),
+        slot_bytes: Some(8192),
+        ..Default::default()
+    };
+    let c = Config::resolve_with(&o, |k| match k {
+        "ARX_SPIN" => Some("napp".into()),
+        "ARX_SLOT_BYTES" => Some("lots".into()),
+        _ => None,
+    })
+    .unwrap();
+    assert_eq!(c.spin, SpinMode::Nap);
+    assert_eq!(c.slot_bytes, 8192);
+    let c = with(&[("ARX_SPIN", " "), ("ARX_SLOT_BYTES", "")]).unwrap();
+    assert_eq!(c.spin, SpinMode::Adaptive);
+    assert_eq!(c.slot_bytes, DEFAULT_SLOT_BYTES);
+}
+
+#[test]
 fn bad_values_name_the_variable() {
     for (k, v) in [
         ("ARX_DEVICE", "tpu"),
