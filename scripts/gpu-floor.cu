@@ -20,49 +20,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
-#include <cuda_runtime.h>
-
-#define CK(x)                                                                          \
-    do {                                                                               \
-        cudaError_t e_ = (x);                                                          \
-        if (e_ != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
-
-typedef unsigned long long u64;
-typedef unsigned int u32;
-struct __align__(16) v4 {
-    u32 x, y, z, w;
-};
-
-__device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
-__device__ __forceinline__ void fence_acqrel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-__device__ __forceinline__ void st_release_sys(u64 *p, u64 v) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_sys(u64 *p, u64 v) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ u64 ld_acquire_sys(const u64 *p) {
-    u64 v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ u64 ld_volatile(const u64 *p) {
-    u64 v;
-    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ v4 ld_cv(const void *p) {
-    v4 v;
-    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
+#include "gpu-bench.cuh"
 
 // What each variant does, selected by `mode` (one kernel, so every variant
 // has the same launch cost and register footprint).
@@ -168,7 +126,7 @@ __global__ void prim(int mode, unsigned char *host, unsigned char *dev, u64 *hfl
         if (t == 0) {
             u32 *c = (u32 *)(dflag + 4);
             for (int k = 0; k < 6; k++) {
-                u32 old;
+                [[maybe_unused]] u32 old;
                 asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
                              : "=r"(old)
                              : "l"(c + k), "r"(1u)

@@ -30,47 +30,8 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
-#include <cuda_runtime.h>
+#include "gpu-bench.cuh"
 
-#define CK(x)                                                                          \
-    do {                                                                               \
-        cudaError_t e_ = (x);                                                          \
-        if (e_ != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
-
-typedef unsigned long long u64;
-typedef unsigned int u32;
-struct __align__(16) v4 {
-    u32 x, y, z, w;
-};
-
-__device__ __forceinline__ void st_release_sys(u64 *p, u64 v) {
-    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ u64 ld_acquire_sys(const u64 *p) {
-    u64 v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ v4 ld_cv(const void *p) {
-    v4 v;
-    asm volatile("ld.global.cv.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-__device__ __forceinline__ v4 ld_vol(const void *p) {
-    v4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
 __device__ __forceinline__ float f(u32 b) { return __int_as_float((int)b); }
 __device__ __forceinline__ u32 b(float x) { return (u32)__float_as_int(x); }
 

@@ -23,7 +23,8 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
-#include <cuda_runtime.h>
+#define GPU_BENCH_CHECK_ONLY
+#include "gpu-bench.cuh"
 
 // arx_abi.h's NVRTC branch (its own fixed-width typedefs, which differ
 // from <stdint.h>'s), inside a namespace so that they do not clash.
@@ -38,15 +39,6 @@ using arxk::u64;
 using arxk::arx_params_t;
 using arxk::arx_ctrl_t;
 using arxk::arx_gpu_state_t;
-
-#define CK(x)                                                                          \
-    do {                                                                               \
-        cudaError_t e_ = (x);                                                          \
-        if (e_ != cudaSuccess) {                                                       \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
 
 static const size_t SLOT = 64 << 10;
 static const u64 FLAGS_OFF = 4096, SEND_OFF = 8192, RECV_OFF = SEND_OFF + 2 * SLOT;

@@ -318,6 +318,10 @@ pub struct Config {
     /// 16-byte vectors per thread per work chunk of the GPU kernel
     /// (`ARX_GPU_UNROLL`); `None`: chosen by size.
     pub gpu_unroll: Option<u32>,
+    /// Directory of the GPU kernels' CUBIN cache (`ARX_KERNEL_CACHE`, a
+    /// directory or `off`; environment only); `None`: no cache. Default:
+    /// `$XDG_CACHE_HOME/arx/kernels`, else `$HOME/.cache/arx/kernels`.
+    pub kernel_cache: Option<std::path::PathBuf>,
     /// Test hook (`Builder::test_sum_delay`, no environment variable): a
     /// pause before each pipelined chunk's sum on the host side, and before
     /// every one-shot sum on the GPU side (each block, after its wait), so
@@ -716,6 +720,12 @@ impl Config {
             number::<u32>("ARX_GPU_UNROLL"),
             |n, v| check_range(n, v, 1, MAX_GPU_UNROLL),
         )?;
+        // A directory or `off`; any non-empty text is a valid path.
+        let kernel_cache = match env_var(&get, "ARX_KERNEL_CACHE", |v| Ok(v.to_string()))? {
+            Some(v) if v.eq_ignore_ascii_case("off") => None,
+            Some(v) => Some(std::path::PathBuf::from(v)),
+            None => crate::device::default_cache_dir(&get),
+        };
         Ok(Config {
             device,
             fabric,
@@ -734,6 +744,7 @@ impl Config {
             cuda_device,
             gpu_blocks,
             gpu_unroll,
+            kernel_cache,
             sum_delay: o.sum_delay,
             settle: o.settle.unwrap_or(crate::spin::SETTLE),
         })

@@ -364,3 +364,37 @@ fn a_number_past_its_type_is_too_large_not_malformed() {
         .to_string();
     assert!(e.contains("non-negative integer"), "{e}");
 }
+
+#[test]
+fn kernel_cache_directory() {
+    use std::path::PathBuf;
+    let dir = |vars: &[(&str, &str)]| with(vars).unwrap().kernel_cache;
+    // XDG first, then HOME; relative values are ignored (XDG rules).
+    assert_eq!(dir(&[]), None);
+    assert_eq!(
+        dir(&[("HOME", "/home/u")]),
+        Some(PathBuf::from("/home/u/.cache/arx/kernels"))
+    );
+    assert_eq!(
+        dir(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c")]),
+        Some(PathBuf::from("/c/arx/kernels"))
+    );
+    assert_eq!(
+        dir(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "rel")]),
+        Some(PathBuf::from("/home/u/.cache/arx/kernels"))
+    );
+    assert_eq!(dir(&[("HOME", "home")]), None);
+    // The variable wins; `off` (any case) turns the cache off; empty is unset.
+    assert_eq!(
+        dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", " /scratch/k ")]),
+        Some(PathBuf::from("/scratch/k"))
+    );
+    assert_eq!(
+        dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", "OFF")]),
+        None
+    );
+    assert_eq!(
+        dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", "  ")]),
+        Some(PathBuf::from("/home/u/.cache/arx/kernels"))
+    );
+}

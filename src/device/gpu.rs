@@ -103,7 +103,7 @@ pub(crate) fn device_count() -> Result<usize> {
 struct Module {
     ctx: Arc<CudaContext>,
     module: sys::CUmodule,
-    funcs: [sys::CUfunction; 10],
+    funcs: [sys::CUfunction; nvrtc::KERNELS.len()],
 }
 
 // SAFETY: module and function handles are plain driver handles, usable from
@@ -119,19 +119,8 @@ impl Module {
         // device's architecture; the driver copies it.
         let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
             .map_err(cuda_err("cuModuleLoadData"))?;
-        let mut funcs = [std::ptr::null_mut(); 10];
-        for (f, name) in funcs.iter_mut().zip([
-            "arx_allreduce_bf16",
-            "arx_allreduce_f16",
-            "arx_allreduce_f32",
-            "arx_convert_check",
-            "arx_collective_bf16",
-            "arx_collective_f16",
-            "arx_collective_f32",
-            "arx_broadcast_bf16",
-            "arx_broadcast_f16",
-            "arx_broadcast_f32",
-        ]) {
+        let mut funcs = [std::ptr::null_mut(); nvrtc::KERNELS.len()];
+        for (f, name) in funcs.iter_mut().zip(nvrtc::KERNELS) {
             let c = CString::new(name).unwrap_or_default();
             // SAFETY: `module` was loaded above and stays loaded while
             // `Module` lives.
@@ -411,7 +400,7 @@ impl GpuSide {
             .compute_capability()
             .map_err(cuda_err("cuDeviceGetAttribute"))?;
         let arch = format!("sm_{major}{minor}");
-        let module = Module::load(&ctx, &nvrtc::cubin(&arch)?)?;
+        let module = Module::load(&ctx, &nvrtc::cubin(&arch, cfg.kernel_cache.as_deref())?)?;
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;

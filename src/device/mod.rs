@@ -29,6 +29,7 @@ use crate::proxy::Link;
 
 pub(crate) mod gpu;
 mod nvrtc;
+pub(crate) use nvrtc::default_cache_dir;
 pub(crate) mod order;
 pub(crate) mod platform;
 pub(crate) mod status;
