@@ -61,7 +61,7 @@
 //! | CUDA device | ordinal (`ARX_CUDA_DEVICE`) | node-local rank modulo visible devices |
 //! | RDMA devices, GID index, proxy CPU | `ARX_DEVICES`, `ARX_GID_INDEX`, `ARX_PROXY_CPU` | chosen by topology (shm: pinned only for a GPU instance bound to one CPU) |
 //! | GPU launch shape | most blocks, 1 to 1024 (`ARX_GPU_BLOCKS`); 16-byte vectors per thread per chunk, 1 to 64 (`ARX_GPU_UNROLL`); no builder methods | chosen by size and ranks per GPU |
-//! | GPU kernel cache | directory of the compiled kernels, or `off` (`ARX_KERNEL_CACHE`, no builder method): NVRTC takes seconds per architecture, a cached CUBIN is loaded instead (keyed by a SHA-256 of the sources, options and NVRTC's version; used only if the user's and whole) | `$XDG_CACHE_HOME/arx/kernels`, else `$HOME/.cache/arx/kernels` |
+//! | GPU kernel cache | an absolute directory for the compiled kernels, or `off` (`ARX_KERNEL_CACHE`, no builder method): NVRTC takes seconds per architecture, a cached CUBIN is loaded instead (keyed by a SHA-256 of the sources, options and the NVRTC library; used only if this user's, not writable by others, whole and of its key) | `$XDG_CACHE_HOME/arx/kernels`, else `$HOME/.cache/arx/kernels` |
 //!
 //! A [`Builder`] method sets an option instead of its variable (the
 //! builder wins). Both are checked against the same ranges, in one place: a

@@ -491,6 +491,30 @@ fn knob<T, F: Fn(&str) -> Option<String>>(
     }
 }
 
+/// `ARX_KERNEL_CACHE`: `off` (or `0`, `no`, `none`, `false`) turns the
+/// cache off; anything else must be an absolute directory (the same one
+/// whatever each rank's working directory; `~` and `$VAR` are not
+/// expanded here).
+fn kernel_cache_dir(v: &str) -> Result<Option<std::path::PathBuf>> {
+    if ["off", "0", "no", "none", "false"]
+        .iter()
+        .any(|o| v.eq_ignore_ascii_case(o))
+    {
+        return Ok(None);
+    }
+    let p = std::path::PathBuf::from(v);
+    if p.is_absolute() {
+        Ok(Some(p))
+    } else {
+        Err(Error::Config {
+            name: "ARX_KERNEL_CACHE",
+            value: v.into(),
+            reason: "must be an absolute directory or `off` (`~` and `$VAR` are not expanded)"
+                .into(),
+        })
+    }
+}
+
 fn any<T>(_: &'static str, v: T) -> Result<T> {
     Ok(v)
 }
@@ -720,10 +744,8 @@ impl Config {
             number::<u32>("ARX_GPU_UNROLL"),
             |n, v| check_range(n, v, 1, MAX_GPU_UNROLL),
         )?;
-        // A directory or `off`; any non-empty text is a valid path.
-        let kernel_cache = match env_var(&get, "ARX_KERNEL_CACHE", |v| Ok(v.to_string()))? {
-            Some(v) if v.eq_ignore_ascii_case("off") => None,
-            Some(v) => Some(std::path::PathBuf::from(v)),
+        let kernel_cache = match env_var(&get, "ARX_KERNEL_CACHE", kernel_cache_dir)? {
+            Some(v) => v,
             None => crate::device::default_cache_dir(&get),
         };
         Ok(Config {

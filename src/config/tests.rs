@@ -389,10 +389,21 @@ fn kernel_cache_directory() {
         dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", " /scratch/k ")]),
         Some(PathBuf::from("/scratch/k"))
     );
-    assert_eq!(
-        dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", "OFF")]),
-        None
-    );
+    for off in ["off", "OFF", "0", "no", "None", "false"] {
+        assert_eq!(
+            dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", off)]),
+            None,
+            "{off}"
+        );
+    }
+    // Relative (or unexpanded) paths are refused, naming the variable.
+    for bad in ["rel/dir", "~/k", "$HOME/k", "."] {
+        refused(
+            with(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", bad)]),
+            "ARX_KERNEL_CACHE",
+            bad,
+        );
+    }
     assert_eq!(
         dir(&[("HOME", "/home/u"), ("ARX_KERNEL_CACHE", "  ")]),
         Some(PathBuf::from("/home/u/.cache/arx/kernels"))

@@ -400,7 +400,24 @@ impl GpuSide {
             .compute_capability()
             .map_err(cuda_err("cuDeviceGetAttribute"))?;
         let arch = format!("sm_{major}{minor}");
-        let module = Module::load(&ctx, &nvrtc::cubin(&arch, cfg.kernel_cache.as_deref())?)?;
+        let cache = cfg.kernel_cache.as_deref();
+        match cache {
+            Some(d) => log::debug!("arx: kernel cache {}", d.display()),
+            None => log::info!(
+                "arx: no kernel cache (ARX_KERNEL_CACHE off, or neither HOME nor XDG_CACHE_HOME is an absolute path): every process compiles"
+            ),
+        }
+        let image = nvrtc::cubin(&arch, cache)?;
+        let module = match Module::load(&ctx, &image.image) {
+            Ok(m) => m,
+            // A cached image the driver refuses (a driver older than the
+            // NVRTC that made it, say) is compiled anew, never an error.
+            Err(e) if image.from_disk => {
+                log::warn!("arx: the cached kernels for {arch} did not load ({e}); compiling them");
+                Module::load(&ctx, &nvrtc::recompile(&arch, cache)?.image)?
+            }
+            Err(e) => return Err(e),
+        };
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(cuda_err("cuDeviceGetAttribute"))? as u32;

@@ -38,7 +38,7 @@ pub(crate) const KERNELS: [&str; 10] = [
 ];
 /// Compiled CUBINs, one per architecture, for the whole process (NVRTC takes
 /// a few hundred milliseconds per compile).
-static CUBINS: Mutex<Vec<(String, Arc<Vec<u8>>)>> = Mutex::new(Vec::new());
+static CUBINS: Mutex<Vec<(String, Cubin)>> = Mutex::new(Vec::new());
 
 fn nvrtc_err(call: &'static str, e: cudarc::nvrtc::result::NvrtcError) -> Error {
     Error::Cuda {
@@ -58,42 +58,74 @@ fn options(arch: &str) -> [String; 4] {
     ]
 }
 
+/// A compiled module image and where this process got it.
+#[derive(Clone)]
+pub(crate) struct Cubin {
+    pub(crate) image: Arc<Vec<u8>>,
+    /// Read from the disk cache (not compiled by this process).
+    pub(crate) from_disk: bool,
+}
+
 /// The CUBIN of arx.cu for `arch` (e.g. `sm_90`): compiled once per
 /// process; with `disk` (a directory, `ARX_KERNEL_CACHE`) read from there
 /// when an earlier process compiled the same sources with the same NVRTC
-/// version and options, and written there after a compile. The disk cache
-/// never fails a call: anything wrong with it is logged and the kernels are
-/// compiled.
-pub(crate) fn cubin(arch: &str, disk: Option<&Path>) -> Result<Arc<Vec<u8>>> {
+/// and options, and written there after a compile. The disk cache never
+/// fails a call: anything wrong with it is logged and the kernels are
+/// compiled (and a cached image the driver refuses is compiled anew by
+/// the caller, [`recompile`]).
+pub(crate) fn cubin(arch: &str, disk: Option<&Path>) -> Result<Cubin> {
     let mut cache = CUBINS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, c)) = cache.iter().find(|(a, _)| a == arch) {
-        return Ok(Arc::clone(c));
+        return Ok(c.clone());
     }
-    let file = disk.and_then(|d| disk_cache::path(d, arch));
-    if let Some(bin) = file.as_deref().and_then(disk_cache::read) {
-        log::info!(
-            "arx: kernels for {arch} from the cache {} ({} bytes)",
-            file.as_deref()
-                .map(Path::display)
-                .unwrap_or_else(|| Path::new("").display()),
-            bin.len()
-        );
-        let bin = Arc::new(bin);
-        cache.push((arch.to_string(), Arc::clone(&bin)));
-        return Ok(bin);
+    let entry = disk.and_then(|d| disk_cache::entry(d, arch));
+    if let Some(e) = &entry {
+        if let Some(bin) = disk_cache::read(e) {
+            log::info!(
+                "arx: kernels for {arch} from the cache {} ({} bytes)",
+                e.file.display(),
+                bin.len()
+            );
+            let c = Cubin {
+                image: Arc::new(bin),
+                from_disk: true,
+            };
+            cache.push((arch.to_string(), c.clone()));
+            return Ok(c);
+        }
     }
+    let c = compile_and_keep(arch, entry.as_ref())?;
+    cache.push((arch.to_string(), c.clone()));
+    Ok(c)
+}
+
+/// Compiles `arch` anew, whatever the caches hold, and puts the result in
+/// both (the disk cache's file is replaced): for a cached image the driver
+/// would not load.
+pub(crate) fn recompile(arch: &str, disk: Option<&Path>) -> Result<Cubin> {
+    let mut cache = CUBINS.lock().unwrap_or_else(|e| e.into_inner());
+    let entry = disk.and_then(|d| disk_cache::entry(d, arch));
+    let c = compile_and_keep(arch, entry.as_ref())?;
+    cache.retain(|(a, _)| a != arch);
+    cache.push((arch.to_string(), c.clone()));
+    Ok(c)
+}
+
+fn compile_and_keep(arch: &str, entry: Option<&disk_cache::Entry>) -> Result<Cubin> {
     let t0 = std::time::Instant::now();
-    let bin = Arc::new(compile(arch)?);
+    let bin = compile(arch)?;
     log::info!(
         "arx: compiled kernels/arx.cu for {arch} in {:.1} s ({} bytes)",
         t0.elapsed().as_secs_f64(),
         bin.len()
     );
-    if let Some(f) = &file {
-        disk_cache::write(f, &bin);
+    if let Some(e) = entry {
+        disk_cache::write(e, &bin);
     }
-    cache.push((arch.to_string(), Arc::clone(&bin)));
-    Ok(bin)
+    Ok(Cubin {
+        image: Arc::new(bin),
+        from_disk: false,
+    })
 }
 
 /// Empties the per-process cache (tests: the next call reads the disk
@@ -181,41 +213,84 @@ fn compile(arch: &str) -> Result<Vec<u8>> {
 /// The CUBIN cache on disk: one file per architecture and key, named
 /// `arx-<arch>-<key>.cubin`, where the key is a SHA-256 of everything the
 /// compile depends on (arx's version, the sources, the options, NVRTC's
-/// version). A file holds a magic line, the SHA-256 of the CUBIN and the
-/// CUBIN; it is used only if it is this user's, whole and unchanged (so a
-/// truncated or altered file is compiled over, never loaded). Files are
-/// written under a temporary name and renamed, so ranks compiling at once
-/// never see each other's half-written file.
+/// version and the library file it was loaded from). A file holds a magic
+/// line, the whole key, the SHA-256 of the CUBIN and the CUBIN; it is used
+/// only if the directory is this user's and not writable by others, the
+/// file is a regular file (not a link, not a FIFO) of this user's, not
+/// writable by others, at most 64 MiB, and its key and hash agree. So a
+/// truncated, altered, renamed or planted file is compiled over, never
+/// loaded. Files are written under a fresh name, created exclusively, and
+/// renamed, so ranks compiling at once never see each other's half-written
+/// file.
 mod disk_cache {
     use super::{options, HEADERS, SOURCE};
     use sha2::{Digest, Sha256};
-    use std::io::Write;
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+    use std::io::{Read, Write};
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
     use std::path::{Path, PathBuf};
 
-    const MAGIC: &[u8] = b"arx kernel cache 1\n";
+    const MAGIC: &[u8] = b"arx kernel cache 2\n";
+    /// Far above any CUBIN of arx (about 1 MB), far below harm.
+    const MAX_BYTES: u64 = 64 << 20;
+    /// A writer's temporary file older than this is a leftover (the
+    /// writer died between create and rename) and is removed.
+    const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
 
-    /// The version of the NVRTC library that would compile (`None` when it
-    /// cannot be asked: then nothing is cached).
-    fn nvrtc_version() -> Option<(i32, i32)> {
+    /// Where one architecture's CUBIN lives, and the key its file must hold.
+    pub(super) struct Entry {
+        pub(super) file: PathBuf,
+        key: [u8; 32],
+    }
+
+    #[cfg(test)]
+    impl Entry {
+        pub(crate) fn for_test(file: PathBuf, key: [u8; 32]) -> Self {
+            Entry { file, key }
+        }
+    }
+
+    fn me() -> u32 {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() }
+    }
+
+    /// NVRTC's version (major.minor: it reports no patch level) and the
+    /// file the process loaded it from, with its size and modification
+    /// time, so that an updated libnvrtc makes a new key. `None` when the
+    /// version cannot be asked (then nothing is cached).
+    fn nvrtc_identity() -> Option<String> {
         let (mut major, mut minor) = (0, 0);
         // SAFETY: two out-parameters, live for the call.
         unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
             .result()
-            .ok()
-            .map(|()| (major, minor))
+            .ok()?;
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        let lib = maps
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(5))
+            .find(|p| {
+                let name = p.rsplit('/').next().unwrap_or("");
+                name.starts_with("libnvrtc.so") || name.starts_with("libnvrtc64")
+            })
+            .map(|p| match std::fs::metadata(p) {
+                Ok(m) => format!("{p} {} {}.{}", m.len(), m.mtime(), m.mtime_nsec()),
+                Err(_) => p.to_string(),
+            })
+            .unwrap_or_default();
+        Some(format!("nvrtc {major}.{minor} {lib}"))
     }
 
-    /// The file for `arch` in `dir`; `None` when NVRTC cannot say its version.
-    pub(super) fn path(dir: &Path, arch: &str) -> Option<PathBuf> {
-        let (major, minor) = nvrtc_version()?;
+    /// The entry for `arch` in `dir`; `None` when NVRTC cannot say its
+    /// version.
+    pub(super) fn entry(dir: &Path, arch: &str) -> Option<Entry> {
+        let nvrtc = nvrtc_identity()?;
         let mut h = Sha256::new();
         let mut part = |b: &[u8]| {
             h.update((b.len() as u64).to_le_bytes());
             h.update(b);
         };
         part(env!("CARGO_PKG_VERSION").as_bytes());
-        part(format!("nvrtc {major}.{minor}").as_bytes());
+        part(nvrtc.as_bytes());
         for o in options(arch) {
             part(o.as_bytes());
         }
@@ -224,53 +299,107 @@ mod disk_cache {
             part(name.to_bytes());
             part(text.as_bytes());
         }
-        let key: String = h.finalize()[..16]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        Some(dir.join(format!("arx-{arch}-{key}.cubin")))
+        let key: [u8; 32] = h.finalize().into();
+        let hex: String = key[..16].iter().map(|b| format!("{b:02x}")).collect();
+        Some(Entry {
+            file: dir.join(format!("arx-{arch}-{hex}.cubin")),
+            key,
+        })
     }
 
-    /// The cached CUBIN in `file`, if it is there, this user's, and whole.
-    pub(super) fn read(file: &Path) -> Option<Vec<u8>> {
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
-        // Owner and contents from one open file, so that the file checked
-        // is the file read.
-        let opened = std::fs::File::open(file).and_then(|mut f| {
-            let uid = f.metadata()?.uid();
-            let mut data = Vec::new();
-            std::io::Read::read_to_end(&mut f, &mut data)?;
-            Ok((uid, data))
-        });
-        let data = match opened {
-            Ok((uid, data)) if uid == me => data,
-            Ok(_) => {
+    /// Whether `dir` may hold cached kernels: this user's, and writable by
+    /// no one else (a directory others can write to lets them plant or
+    /// swap files). `Ok(false)`: it does not exist.
+    fn dir_ok(dir: &Path) -> std::result::Result<bool, String> {
+        match std::fs::metadata(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e.to_string()),
+            Ok(m) if !m.is_dir() => Err("not a directory".into()),
+            Ok(m) if m.uid() != me() => Err(format!("owned by uid {}, not this user", m.uid())),
+            Ok(m) if m.permissions().mode() & 0o022 != 0 => Err(format!(
+                "writable by group or others (mode {:o}); chmod go-w it",
+                m.permissions().mode() & 0o7777
+            )),
+            Ok(_) => Ok(true),
+        }
+    }
+
+    /// The cached CUBIN for `e`, if it is there and passes every check.
+    pub(super) fn read(e: &Entry) -> Option<Vec<u8>> {
+        let file = &e.file;
+        let dir = file.parent().unwrap_or(Path::new("."));
+        match dir_ok(dir) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(why) => {
                 log::warn!(
-                    "arx: kernel cache {} is not this user's; compiling (not loading it)",
+                    "arx: kernel cache {} not used: {why}; compiling",
+                    dir.display()
+                );
+                return None;
+            }
+        }
+        // Not through a symbolic link, and without blocking on a FIFO;
+        // owner, type and contents from the one open file.
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(file)
+            .and_then(|f| {
+                let m = f.metadata()?;
+                let mut data = Vec::new();
+                if m.is_file() && m.len() <= MAX_BYTES {
+                    f.take(MAX_BYTES + 1).read_to_end(&mut data)?;
+                }
+                Ok((m, data))
+            });
+        let data = match opened {
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(err) => {
+                log::warn!(
+                    "arx: kernel cache {} unreadable ({err}); compiling",
                     file.display()
                 );
                 return None;
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-            Err(e) => {
-                log::warn!(
-                    "arx: kernel cache {} unreadable ({e}); compiling",
-                    file.display()
-                );
-                return None;
+            Ok((m, data)) => {
+                let why = if !m.is_file() {
+                    Some("not a regular file".to_string())
+                } else if m.uid() != me() {
+                    Some(format!("owned by uid {}, not this user", m.uid()))
+                } else if m.permissions().mode() & 0o022 != 0 {
+                    Some("writable by group or others".to_string())
+                } else if m.len() > MAX_BYTES || data.len() as u64 > MAX_BYTES {
+                    Some(format!("larger than {MAX_BYTES} bytes"))
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    log::warn!(
+                        "arx: kernel cache {} not loaded ({why}); compiling",
+                        file.display()
+                    );
+                    return None;
+                }
+                data
             }
         };
-        let body = data.strip_prefix(MAGIC);
-        let whole = body.filter(|b| b.len() > 32).and_then(|b| {
-            let (sum, bin) = b.split_at(32);
-            (Sha256::digest(bin).as_slice() == sum && bin.starts_with(b"\x7fELF")).then_some(bin)
-        });
+        let whole = data
+            .strip_prefix(MAGIC)
+            .filter(|b| b.len() > 64)
+            .and_then(|b| {
+                let (key, rest) = b.split_at(32);
+                let (sum, bin) = rest.split_at(32);
+                (key == e.key
+                    && Sha256::digest(bin).as_slice() == sum
+                    && bin.starts_with(b"\x7fELF"))
+                .then_some(bin)
+            });
         match whole {
             Some(bin) => Some(bin.to_vec()),
             None => {
                 log::warn!(
-                    "arx: kernel cache {} is damaged ({} bytes); compiling over it",
+                    "arx: kernel cache {} is damaged or not this key's ({} bytes); compiling over it",
                     file.display(),
                     data.len()
                 );
@@ -279,12 +408,55 @@ mod disk_cache {
         }
     }
 
-    /// Writes `bin` to `file` (creating its directory, this user's only);
-    /// a failure is logged, never returned.
-    pub(super) fn write(file: &Path, bin: &[u8]) {
+    /// Removes writers' temporary files in `dir` older than STALE_TMP.
+    fn sweep(dir: &Path) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for d in entries.flatten() {
+            let name = d.file_name();
+            let name = name.to_string_lossy();
+            if !(name.starts_with(".arx-") && name.ends_with(".tmp")) {
+                continue;
+            }
+            let old = d
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > STALE_TMP);
+            if old {
+                let _ = std::fs::remove_file(d.path());
+            }
+        }
+    }
+
+    /// Writes `bin` for `e` (creating its directory, this user's only); a
+    /// failure is logged, never returned.
+    pub(super) fn write(e: &Entry, bin: &[u8]) {
+        let file = &e.file;
         let dir = file.parent().unwrap_or(Path::new("."));
-        // A fresh name, created exclusively (never through a link someone
-        // left in a shared directory), then renamed over the file.
+        if let Err(err) = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+        {
+            log::warn!(
+                "arx: could not make the kernel cache {} ({err}); the next process compiles again (ARX_KERNEL_CACHE)",
+                dir.display()
+            );
+            return;
+        }
+        if let Err(why) = dir_ok(dir) {
+            log::warn!(
+                "arx: kernel cache {} not used: {why}; the next process compiles again (ARX_KERNEL_CACHE)",
+                dir.display()
+            );
+            return;
+        }
+        sweep(dir);
+        // A fresh name, created exclusively and never through a link, then
+        // renamed over the file.
         let tmp = dir.join(format!(
             ".{}.{}.{:08x}.tmp",
             file.file_name()
@@ -293,17 +465,15 @@ mod disk_cache {
             std::process::id(),
             rand::random::<u32>()
         ));
-        let result = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .and_then(|()| {
-                let mut f = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .open(&tmp)?;
+        let result = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)
+            .and_then(|mut f| {
                 f.write_all(MAGIC)?;
+                f.write_all(&e.key)?;
                 f.write_all(&Sha256::digest(bin))?;
                 f.write_all(bin)?;
                 f.sync_all()
@@ -311,10 +481,10 @@ mod disk_cache {
             .and_then(|()| std::fs::rename(&tmp, file));
         match result {
             Ok(()) => log::info!("arx: kernels cached in {}", file.display()),
-            Err(e) => {
+            Err(err) => {
                 let _ = std::fs::remove_file(&tmp);
                 log::warn!(
-                    "arx: could not cache the kernels in {} ({e}); the next process compiles them again (ARX_KERNEL_CACHE)",
+                    "arx: could not cache the kernels in {} ({err}); the next process compiles again (ARX_KERNEL_CACHE)",
                     dir.display()
                 );
             }
@@ -341,9 +511,8 @@ pub(crate) fn default_cache_dir(get: impl Fn(&str) -> Option<String>) -> Option<
 mod tests {
     /// Compiles the embedded kernels with NVRTC — the library's own call,
     /// options and sources — for every architecture in `ARX_NVRTC_ARCHS`
-    /// (comma-separated; default: sm_80, the oldest arx supports and the
-    /// one that takes the written-out conversions; sm_90, the H200; sm_121,
-    /// the GB10 of a DGX Spark). Needs libnvrtc and no GPU; ignored by a
+    /// (comma-separated; default: sm_75, the oldest NVRTC 13 compiles for;
+    /// sm_90, the H200; sm_121, the GB10 of a DGX Spark). Needs libnvrtc and no GPU; ignored by a
     /// plain `cargo test` (CI has no CUDA toolkit): scripts/check-kernels
     /// installs NVRTC from PyPI and runs it with `--ignored`. Writes each
     /// CUBIN to `$ARX_NVRTC_OUT/arx-<arch>.cubin` when that is set, for
@@ -358,11 +527,13 @@ mod tests {
             std::env::var("LD_LIBRARY_PATH").unwrap_or_default()
         );
         let archs =
-            std::env::var("ARX_NVRTC_ARCHS").unwrap_or_else(|_| "sm_80,sm_90,sm_121".into());
+            std::env::var("ARX_NVRTC_ARCHS").unwrap_or_else(|_| "sm_75,sm_90,sm_121".into());
         let out = std::env::var_os("ARX_NVRTC_OUT").map(std::path::PathBuf::from);
         for arch in archs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
             let t0 = std::time::Instant::now();
-            let bin = super::cubin(arch, None).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let bin = super::cubin(arch, None)
+                .unwrap_or_else(|e| panic!("{arch}: {e}"))
+                .image;
             // An ELF image (a CUBIN), not an empty or PTX result.
             assert!(
                 bin.len() > 4096 && bin.starts_with(b"\x7fELF"),
@@ -381,7 +552,7 @@ mod tests {
             // Cached: the second call returns the same image.
             assert!(std::sync::Arc::ptr_eq(
                 &bin,
-                &super::cubin(arch, None).unwrap()
+                &super::cubin(arch, None).unwrap().image
             ));
             println!(
                 "{arch}: {} bytes in {:.0} ms",
@@ -401,75 +572,285 @@ mod tests {
         );
     }
 
-    /// The CUBIN cache on disk (`ARX_KERNEL_CACHE`), with `arch` compiled
-    /// in this process already: a cached file is what the next process
-    /// loads; a damaged file is compiled over; another user's file is not
-    /// loaded; a directory that cannot be made fails nothing.
+    /// The CUBIN cache as the library uses it, with `arch` compiled in
+    /// this process already: a file an earlier process wrote is what the
+    /// next one loads (planted: a CUBIN NVRTC would not make), `recompile`
+    /// replaces it (the driver-refused case), a damaged file is compiled
+    /// over, and a directory that cannot be made fails nothing.
     fn disk_cache(arch: &str) {
-        use super::{cubin, disk_cache as dc, forget};
-        let real = cubin(arch, None).unwrap();
-        let tmp = std::env::temp_dir().join(format!("arx-kcache-test-{}", std::process::id()));
+        use super::{cubin, disk_cache as dc, forget, recompile};
+        let real = cubin(arch, None).unwrap().image;
+        let tmp = std::env::temp_dir().join(format!("arx-kcache-nvrtc-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         let dir = tmp.join("a/b");
-        let file = dc::path(&dir, arch).expect("NVRTC states its version");
-        assert!(file.starts_with(&dir));
-        // The key follows the architecture: another one, another file.
-        assert_ne!(dc::path(&dir, "sm_75"), Some(file.clone()));
+        let e = dc::entry(&dir, arch).expect("NVRTC states its version");
+        assert!(e.file.starts_with(&dir));
+        let other = if arch == "sm_75" { "sm_86" } else { "sm_75" };
+        assert_ne!(dc::entry(&dir, other).unwrap().file, e.file);
 
-        // A file an earlier process wrote is what this one loads: plant a
-        // CUBIN that differs from what NVRTC makes (one byte appended), so
-        // that only a read from disk can return it.
         let mut planted = real.to_vec();
         planted.push(0xA5);
-        dc::write(&file, &planted);
-        let mode = |p: &std::path::Path| {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::metadata(p).unwrap().permissions().mode() & 0o777
-        };
-        assert_eq!((mode(&dir), mode(&file)), (0o700, 0o600));
+        dc::write(&e, &planted);
         forget();
-        assert_eq!(
-            *cubin(arch, Some(&dir)).unwrap(),
-            planted,
+        let t0 = std::time::Instant::now();
+        let got = cubin(arch, Some(&dir)).unwrap();
+        let read_ms = t0.elapsed().as_secs_f64() * 1e3;
+        assert!(
+            got.from_disk && *got.image == planted,
             "not read from the cache"
         );
+        // The driver would refuse it: compiled anew, in both caches.
+        let again = recompile(arch, Some(&dir)).unwrap();
+        assert!(!again.from_disk && again.image == real);
+        assert!(std::sync::Arc::ptr_eq(
+            &cubin(arch, Some(&dir)).unwrap().image,
+            &again.image
+        ));
+        assert_eq!(dc::read(&e).as_deref(), Some(&real[..]));
 
-        // Damaged (truncated, then one byte changed): compiled over, and
-        // the file is whole again.
-        for damage in [0usize, 1] {
-            let mut data = std::fs::read(&file).unwrap();
-            if damage == 0 {
-                data.truncate(data.len() / 2);
-            } else {
-                let n = data.len();
-                data[n - 100] ^= 1;
-            }
-            std::fs::write(&file, &data).unwrap();
-            assert!(dc::read(&file).is_none(), "damage {damage} not seen");
-            forget();
-            assert_eq!(cubin(arch, Some(&dir)).unwrap(), real, "damage {damage}");
-            assert_eq!(dc::read(&file).as_deref(), Some(&real[..]));
-        }
-
-        // Another user's file is not loaded (needs root to make one).
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            dc::write(&file, &planted);
-            std::os::unix::fs::chown(&file, Some(65534), None).unwrap();
-            assert!(dc::read(&file).is_none(), "another user's file was loaded");
-        } else {
-            println!("disk cache: another user's file: not checked (needs root)");
-        }
+        // Damaged: compiled over, and the file is whole again.
+        let mut data = std::fs::read(&e.file).unwrap();
+        data.truncate(data.len() / 2);
+        std::fs::write(&e.file, &data).unwrap();
+        forget();
+        let c = cubin(arch, Some(&dir)).unwrap();
+        assert!(!c.from_disk && c.image == real);
+        assert_eq!(dc::read(&e).as_deref(), Some(&real[..]));
 
         // No directory can be made (a file is in the way): compiled, Ok.
         let blocked = tmp.join("file");
         std::fs::write(&blocked, b"x").unwrap();
-        let under = dc::path(&blocked.join("d"), arch).unwrap();
-        dc::write(&under, &real);
-        assert!(!under.exists());
         forget();
-        assert_eq!(cubin(arch, Some(&blocked.join("d"))).unwrap(), real);
+        assert_eq!(cubin(arch, Some(&blocked.join("d"))).unwrap().image, real);
         std::fs::remove_dir_all(&tmp).unwrap();
-        println!("disk cache: read, damaged (2 ways), not ours, unwritable: as expected");
+        println!("disk cache: read ({arch} in {read_ms:.1} ms), recompiled over, damaged, unwritable: as expected");
+    }
+}
+
+/// The disk cache's checks, with planted files (no NVRTC, no compile).
+#[cfg(test)]
+mod disk_cache_tests {
+    use super::disk_cache::{self as dc, Entry};
+    use std::os::unix::fs::PermissionsExt;
+    use std::path::{Path, PathBuf};
+
+    /// A fresh private directory for one test.
+    fn fresh(name: &str) -> PathBuf {
+        let d = std::env::temp_dir()
+            .join(format!("arx-kcache-{}-{name}", std::process::id()))
+            .join("k");
+        let _ = std::fs::remove_dir_all(d.parent().unwrap());
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .create(&d)
+            .unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        d
+    }
+    fn done(d: &Path) {
+        let _ = std::fs::remove_dir_all(d.parent().unwrap());
+    }
+    /// A CUBIN-like image: ELF magic and a seeded body.
+    fn image(seed: u8, n: usize) -> Vec<u8> {
+        let mut v = b"\x7fELF".to_vec();
+        v.extend((0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)));
+        v
+    }
+    fn entry(dir: &Path, name: &str, key: u8) -> Entry {
+        Entry::for_test(dir.join(name), [key; 32])
+    }
+
+    #[test]
+    fn written_then_read_back_and_modes() {
+        let d = fresh("rw");
+        let sub = d.join("x/y");
+        let e = entry(&sub, "a.cubin", 1);
+        let img = image(1, 5000);
+        dc::write(&e, &img);
+        assert_eq!(dc::read(&e).as_deref(), Some(&img[..]));
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(
+            (mode(&d.join("x")), mode(&sub), mode(&e.file)),
+            (0o700, 0o700, 0o600)
+        );
+        // Nothing else left in the directory (the temporary was renamed).
+        assert_eq!(std::fs::read_dir(&sub).unwrap().count(), 1);
+        done(&d);
+    }
+
+    #[test]
+    fn another_keys_file_is_not_loaded() {
+        // A file renamed, copied or linked to another key's name.
+        let d = fresh("key");
+        let a = entry(&d, "a.cubin", 1);
+        let b = entry(&d, "b.cubin", 2);
+        dc::write(&a, &image(1, 3000));
+        std::fs::copy(&a.file, &b.file).unwrap();
+        assert!(dc::read(&b).is_none());
+        std::fs::remove_file(&b.file).unwrap();
+        std::os::unix::fs::symlink(&a.file, &b.file).unwrap();
+        assert!(dc::read(&b).is_none());
+        assert!(dc::read(&a).is_some());
+        done(&d);
+    }
+
+    #[test]
+    fn a_link_to_the_right_file_is_not_followed() {
+        let d = fresh("link");
+        let a = entry(&d, "a.cubin", 1);
+        dc::write(&a, &image(1, 3000));
+        let l = Entry::for_test(d.join("l.cubin"), [1; 32]);
+        std::os::unix::fs::symlink(&a.file, &l.file).unwrap();
+        assert!(dc::read(&l).is_none(), "read through a link");
+        done(&d);
+    }
+
+    #[test]
+    fn damaged_or_odd_files_are_not_loaded() {
+        let d = fresh("odd");
+        let e = entry(&d, "a.cubin", 1);
+        let img = image(1, 4000);
+        dc::write(&e, &img);
+        let whole = std::fs::read(&e.file).unwrap();
+        let mut cases: Vec<(&str, Vec<u8>)> = vec![
+            ("empty", vec![]),
+            ("magic only", whole[..19].to_vec()),
+            ("truncated", whole[..whole.len() - 1].to_vec()),
+            ("one byte longer", [&whole[..], b"x"].concat()),
+        ];
+        let mut flipped = whole.clone();
+        let n = flipped.len();
+        flipped[n - 7] ^= 0x10;
+        cases.push(("a bit flipped", flipped));
+        // Right key and hash, but not an ELF image.
+        let mut not_elf = whole.clone();
+        not_elf.truncate(19 + 32);
+        let body = b"not an ELF image at all".to_vec();
+        {
+            use sha2::{Digest, Sha256};
+            not_elf.extend_from_slice(&Sha256::digest(&body));
+        }
+        not_elf.extend_from_slice(&body);
+        cases.push(("not ELF", not_elf));
+        for (what, bytes) in cases {
+            std::fs::write(&e.file, &bytes).unwrap();
+            assert!(dc::read(&e).is_none(), "{what} was loaded");
+        }
+        // A directory, and a FIFO (which must not block), at the name.
+        std::fs::remove_file(&e.file).unwrap();
+        std::fs::create_dir(&e.file).unwrap();
+        assert!(dc::read(&e).is_none());
+        std::fs::remove_dir(&e.file).unwrap();
+        let c = std::ffi::CString::new(e.file.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let f = Entry::for_test(e.file.clone(), [1; 32]);
+        std::thread::spawn(move || tx.send(dc::read(&f).is_none()).unwrap());
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(20)),
+            Ok(true),
+            "a FIFO blocked or was loaded"
+        );
+        // Larger than the cap: refused without reading it.
+        std::fs::remove_file(&e.file).unwrap();
+        let big = std::fs::File::create(&e.file).unwrap();
+        big.set_len((64 << 20) + 1).unwrap();
+        assert!(dc::read(&e).is_none());
+        done(&d);
+    }
+
+    #[test]
+    fn writable_or_foreign_places_are_not_used() {
+        let d = fresh("perm");
+        let e = entry(&d, "a.cubin", 1);
+        let img = image(1, 3000);
+        dc::write(&e, &img);
+        // The directory writable by others: neither read nor written.
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(dc::read(&e).is_none());
+        let e2 = entry(&d, "b.cubin", 2);
+        dc::write(&e2, &img);
+        assert!(!e2.file.exists());
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // The file writable by others.
+        std::fs::set_permissions(&e.file, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(dc::read(&e).is_none());
+        std::fs::set_permissions(&e.file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(dc::read(&e).is_some());
+        // Another user's file or directory (only root can make one).
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&e.file, Some(65534), None).unwrap();
+            assert!(dc::read(&e).is_none(), "another user's file was loaded");
+            std::os::unix::fs::chown(&e.file, Some(0), None).unwrap();
+            std::os::unix::fs::chown(&d, Some(65534), None).unwrap();
+            assert!(dc::read(&e).is_none(), "read from another user's directory");
+            std::os::unix::fs::chown(&d, Some(0), None).unwrap();
+            assert!(dc::read(&e).is_some());
+        } else {
+            println!("another user's file and directory: not checked (needs root)");
+        }
+        done(&d);
+    }
+
+    #[test]
+    fn a_dead_writers_temporary_is_swept() {
+        let d = fresh("sweep");
+        let stale = d.join(".arx-sm_90-0.cubin.1.00000000.tmp");
+        let fresh_tmp = d.join(".arx-sm_90-0.cubin.2.00000000.tmp");
+        let other = d.join(".keep.tmp");
+        for p in [&stale, &fresh_tmp, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+        for p in [&stale, &other] {
+            std::fs::File::options()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_modified(two_hours_ago)
+                .unwrap();
+        }
+        dc::write(&entry(&d, "a.cubin", 1), &image(1, 100));
+        assert!(!stale.exists() && fresh_tmp.exists() && other.exists());
+        done(&d);
+    }
+
+    #[test]
+    fn racing_writers_and_readers_see_whole_files_only() {
+        let d = fresh("race");
+        let imgs: Vec<Vec<u8>> = (0..4)
+            .map(|i| image(i, 20_000 + 3_000 * i as usize))
+            .collect();
+        std::thread::scope(|s| {
+            for img in &imgs {
+                let e = entry(&d, "a.cubin", 1);
+                s.spawn(move || {
+                    for _ in 0..40 {
+                        dc::write(&e, img);
+                    }
+                });
+            }
+            for _ in 0..2 {
+                let e = entry(&d, "a.cubin", 1);
+                let imgs = &imgs;
+                s.spawn(move || {
+                    for _ in 0..200 {
+                        if let Some(got) = dc::read(&e) {
+                            assert!(imgs.contains(&got), "a partial or mixed file was loaded");
+                        }
+                    }
+                });
+            }
+        });
+        let got = dc::read(&entry(&d, "a.cubin", 1)).unwrap();
+        assert!(imgs.contains(&got));
+        assert_eq!(
+            std::fs::read_dir(&d).unwrap().count(),
+            1,
+            "temporaries left"
+        );
+        done(&d);
     }
 }
