@@ -260,7 +260,7 @@ fn memlock(r: &mut Report, cfg: &Config, world: usize, devices: usize, verbs: bo
 
 /// CUDA: arx's own probe (libcuda and libnvrtc loadable, a device visible),
 /// then what each device is.
-fn cuda(r: &mut Report) {
+fn cuda(r: &mut Report, cfg: Option<&Config>) {
     use arx::cudarc::driver::{result, sys};
     let n = match arx::gpu_available() {
         Ok(n) => n,
@@ -300,6 +300,32 @@ fn cuda(r: &mut Report) {
             Ok(p) => r.line(format!("  {p}")),
             Err(e) => r.problem(format!("device {i}: {e}")),
         }
+    }
+    // Where compiled kernels are kept (NVRTC takes seconds per process
+    // without them); the instance's `info` log says whether it compiled or
+    // loaded them.
+    match cfg.map(|c| c.kernel_cache.as_deref()) {
+        Some(Some(d)) => {
+            let files = std::fs::read_dir(d)
+                .map(|it| {
+                    it.flatten()
+                        .filter(|e| {
+                            let n = e.file_name();
+                            let n = n.to_string_lossy();
+                            n.starts_with("arx-") && n.ends_with(".cubin")
+                        })
+                        .count()
+                })
+                .unwrap_or(0);
+            r.line(format!(
+                "  kernel cache: {} ({files} compiled kernel file(s); ARX_KERNEL_CACHE)",
+                d.display()
+            ));
+        }
+        Some(None) => r.line(
+            "  kernel cache: none (ARX_KERNEL_CACHE off, or no absolute HOME / XDG_CACHE_HOME): every process compiles the kernels",
+        ),
+        None => {}
     }
 }
 
@@ -599,7 +625,7 @@ fn main() -> ExitCode {
         select_err = err;
         memlock(&mut r, c, n, if two { 2 } else { 1 }, verbs);
     }
-    cuda(&mut r);
+    cuda(&mut r, cfg.as_ref());
 
     if !args.no_allreduce {
         // The instance is dropped inside, on every rank, before the
