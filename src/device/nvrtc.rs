@@ -221,7 +221,7 @@ fn compile(arch: &str) -> Result<Vec<u8>> {
 /// truncated, altered, renamed or planted file is compiled over, never
 /// loaded. Files are written under a fresh name, created exclusively, and
 /// renamed, so ranks compiling at once never see each other's half-written
-/// file.
+/// file. An architecture keeps its KEEP_PER_ARCH most recently used files.
 mod disk_cache {
     use super::{options, HEADERS, SOURCE};
     use sha2::{Digest, Sha256};
@@ -235,6 +235,15 @@ mod disk_cache {
     /// A writer's temporary file older than this is a leftover (the
     /// writer died between create and rename) and is removed.
     const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
+    /// Files kept per architecture (about 1 MB each): other keys' files
+    /// (older arx versions, another NVRTC) beyond the newest this many
+    /// are removed when a new one is written. A file in use is kept: each
+    /// load renews its modification time (at most once an hour).
+    const KEEP_PER_ARCH: usize = 4;
+    /// How stale a loaded file's modification time may grow before a load
+    /// renews it (so that many ranks starting at once do not all write
+    /// the file's metadata).
+    const RENEW_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
 
     /// Where one architecture's CUBIN lives, and the key its file must hold.
     pub(super) struct Entry {
@@ -345,15 +354,15 @@ mod disk_cache {
             .read(true)
             .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
             .open(file)
-            .and_then(|f| {
+            .and_then(|mut f| {
                 let m = f.metadata()?;
                 let mut data = Vec::new();
                 if m.is_file() && m.len() <= MAX_BYTES {
-                    f.take(MAX_BYTES + 1).read_to_end(&mut data)?;
+                    (&mut f).take(MAX_BYTES + 1).read_to_end(&mut data)?;
                 }
-                Ok((m, data))
+                Ok((f, m, data))
             });
-        let data = match opened {
+        let (f, m, data) = match opened {
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
             Err(err) => {
                 log::warn!(
@@ -362,7 +371,7 @@ mod disk_cache {
                 );
                 return None;
             }
-            Ok((m, data)) => {
+            Ok((f, m, data)) => {
                 let why = if !m.is_file() {
                     Some("not a regular file".to_string())
                 } else if m.uid() != me() {
@@ -381,7 +390,7 @@ mod disk_cache {
                     );
                     return None;
                 }
-                data
+                (f, m, data)
             }
         };
         let whole = data
@@ -396,7 +405,18 @@ mod disk_cache {
                 .then_some(bin)
             });
         match whole {
-            Some(bin) => Some(bin.to_vec()),
+            Some(bin) => {
+                // In use: renew the time the pruning in `write` goes by.
+                let stale = m
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .map_or(true, |age| age > RENEW_AFTER);
+                if stale {
+                    let _ = f.set_modified(std::time::SystemTime::now());
+                }
+                Some(bin.to_vec())
+            }
             None => {
                 log::warn!(
                     "arx: kernel cache {} is damaged or not this key's ({} bytes); compiling over it",
@@ -431,8 +451,53 @@ mod disk_cache {
         }
     }
 
-    /// Writes `bin` for `e` (creating its directory, this user's only); a
-    /// failure is logged, never returned.
+    /// The architecture in a cache file's name `arx-<arch>-<32 hex>.cubin`
+    /// (the names `entry` makes); `None` for any other name.
+    fn arch_of(name: &str) -> Option<&str> {
+        let stem = name.strip_prefix("arx-")?.strip_suffix(".cubin")?;
+        let (arch, hex) = stem.rsplit_once('-')?;
+        (!arch.is_empty() && hex.len() == 32 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then_some(arch)
+    }
+
+    /// Keeps the newest KEEP_PER_ARCH files of `kept`'s architecture in
+    /// `dir` (by modification time, `kept` always among them) and removes
+    /// the rest: regular files of this user's with the names `entry`
+    /// makes, nothing else. A process that opened a removed file still
+    /// reads it whole; one that had not compiles again.
+    fn prune(dir: &Path, kept: &Path) {
+        let Some(arch) = kept.file_name().and_then(|n| n.to_str()).and_then(arch_of) else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let mut others: Vec<(std::time::SystemTime, PathBuf)> = entries
+            .flatten()
+            .filter(|d| {
+                let name = d.file_name();
+                name.to_str().and_then(arch_of) == Some(arch) && d.path() != kept
+            })
+            .filter_map(|d| {
+                // Not followed: a link's own metadata.
+                let m = std::fs::symlink_metadata(d.path()).ok()?;
+                (m.is_file() && m.uid() == me()).then_some((m.modified().ok()?, d.path()))
+            })
+            .collect();
+        others.sort_by_key(|o| std::cmp::Reverse(o.0));
+        for (_, p) in others.iter().skip(KEEP_PER_ARCH - 1) {
+            if std::fs::remove_file(p).is_ok() {
+                log::info!(
+                    "arx: kernel cache: removed {} (unused the longest)",
+                    p.display()
+                );
+            }
+        }
+    }
+
+    /// Writes `bin` for `e` (creating its directory, this user's only),
+    /// then prunes the architecture's older files; a failure is logged,
+    /// never returned.
     pub(super) fn write(e: &Entry, bin: &[u8]) {
         let file = &e.file;
         let dir = file.parent().unwrap_or(Path::new("."));
@@ -480,7 +545,10 @@ mod disk_cache {
             })
             .and_then(|()| std::fs::rename(&tmp, file));
         match result {
-            Ok(()) => log::info!("arx: kernels cached in {}", file.display()),
+            Ok(()) => {
+                log::info!("arx: kernels cached in {}", file.display());
+                prune(dir, file);
+            }
             Err(err) => {
                 let _ = std::fs::remove_file(&tmp);
                 log::warn!(
@@ -699,7 +767,7 @@ mod disk_cache_tests {
         let d = fresh("link");
         let a = entry(&d, "a.cubin", 1);
         dc::write(&a, &image(1, 3000));
-        let l = Entry::for_test(d.join("l.cubin"), [1; 32]);
+        let l = entry(&d, "l.cubin", 1);
         std::os::unix::fs::symlink(&a.file, &l.file).unwrap();
         assert!(dc::read(&l).is_none(), "read through a link");
         done(&d);
@@ -745,7 +813,7 @@ mod disk_cache_tests {
         // SAFETY: a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
         let (tx, rx) = std::sync::mpsc::channel();
-        let f = Entry::for_test(e.file.clone(), [1; 32]);
+        let f = entry(&d, "a.cubin", 1);
         std::thread::spawn(move || tx.send(dc::read(&f).is_none()).unwrap());
         assert_eq!(
             rx.recv_timeout(std::time::Duration::from_secs(20)),
@@ -814,6 +882,80 @@ mod disk_cache_tests {
         }
         dc::write(&entry(&d, "a.cubin", 1), &image(1, 100));
         assert!(!stale.exists() && fresh_tmp.exists() && other.exists());
+        done(&d);
+    }
+
+    #[test]
+    fn an_archs_older_files_are_pruned_and_files_in_use_kept() {
+        let d = fresh("prune");
+        let name = |arch: &str, i: u32| format!("arx-{arch}-{i:032x}.cubin");
+        let ago = |secs: u64| std::time::SystemTime::now() - std::time::Duration::from_secs(secs);
+        let age = |p: &Path, secs: u64| {
+            std::fs::File::options()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_modified(ago(secs))
+                .unwrap()
+        };
+        let mtime = |p: &Path| std::fs::symlink_metadata(p).unwrap().modified().unwrap();
+        const DAY: u64 = 86_400;
+        // sm_90 files 0..=5, 0 the oldest (7 days) ... 5 the newest (2 days);
+        // 0 is a whole file, loaded below (so in use again).
+        let e0 = entry(&d, &name("sm_90", 0), 7);
+        dc::write(&e0, &image(7, 2000));
+        age(&e0.file, 7 * DAY);
+        for i in 1..=5 {
+            let p = d.join(name("sm_90", i));
+            std::fs::write(&p, b"x").unwrap();
+            age(&p, (7 - i as u64) * DAY);
+        }
+        // Not sm_90 files of this cache: never removed, however old.
+        let other_arch = d.join(name("sm_121", 1));
+        let odd_name = d.join("arx-sm_90-notahash.cubin");
+        let not_ours = d.join("notes.txt");
+        for p in [&other_arch, &odd_name, &not_ours] {
+            std::fs::write(p, b"x").unwrap();
+            age(p, 30 * DAY);
+        }
+        let link = d.join(name("sm_90", 6));
+        std::os::unix::fs::symlink(d.join(name("sm_90", 1)), &link).unwrap();
+        let a_dir = d.join(name("sm_90", 7));
+        std::fs::create_dir(&a_dir).unwrap();
+
+        // A load renews a stale time, and leaves a recent one alone.
+        assert!(dc::read(&e0).is_some());
+        assert!(mtime(&e0.file) > ago(60), "a load did not renew the time");
+        let recent = ago(600);
+        std::fs::File::options()
+            .write(true)
+            .open(&e0.file)
+            .unwrap()
+            .set_modified(recent)
+            .unwrap();
+        assert!(dc::read(&e0).is_some());
+        assert_eq!(mtime(&e0.file), recent, "a recent time was rewritten");
+
+        // A new sm_90 file: it and the 3 newest others stay.
+        let e9 = entry(&d, &name("sm_90", 9), 9);
+        dc::write(&e9, &image(9, 2000));
+        let sm90: Vec<bool> = (0..=5).map(|i| d.join(name("sm_90", i)).exists()).collect();
+        assert_eq!(
+            sm90,
+            [true, false, false, false, true, true],
+            "sm_90 files 0..=5 kept"
+        );
+        assert!(dc::read(&e9).is_some() && dc::read(&e0).is_some());
+        for p in [&other_arch, &odd_name, &not_ours, &a_dir] {
+            assert!(p.exists(), "{} removed", p.display());
+        }
+        assert!(
+            std::fs::symlink_metadata(&link).is_ok(),
+            "a link was removed"
+        );
+        // A name of another pattern (the unit tests' own) prunes nothing.
+        dc::write(&entry(&d, "a.cubin", 3), &image(3, 100));
+        assert!(d.join(name("sm_90", 4)).exists());
         done(&d);
     }
 
