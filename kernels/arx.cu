@@ -60,9 +60,23 @@ extern "C" __global__ void arx_convert_check(const u32 *in, u16 *bf, u16 *hf, u3
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (; i < n; i += stride) {
         float f = bits_f32(in[i]);
-        bf[i] = f32_to_bf16(f);
-        hf[i] = f32_to_f16(f);
+        /* Each pattern goes through one of the paths, by i % 4: the packed
+         * conversion's low half (0) or high half (1), its partner being the
+         * next or previous pattern; the written-out conversion (2, 3: what
+         * a GPU before sm_80 runs). */
+        float g = bits_f32(in[(i ^ 1) < n ? (i ^ 1) : i]);
+        const u32 path = (u32)(i & 3);
+        if (path == 0) {
+            bf[i] = (u16)pack2_bf16(f, g);
+            hf[i] = (u16)pack2_f16(f, g);
+        } else if (path == 1) {
+            bf[i] = (u16)(pack2_bf16(g, f) >> 16);
+            hf[i] = (u16)(pack2_f16(g, f) >> 16);
+        } else {
+            bf[i] = f32_to_bf16_sw(f);
+            hf[i] = f32_to_f16_sw(f);
+        }
         bf_back[i] = f32_bits(bf16_to_f32((u16)in[i]));
-        hf_back[i] = f32_bits(f16_to_f32((u16)in[i]));
+        hf_back[i] = f32_bits(path < 2 ? f16_to_f32((u16)in[i]) : f16_to_f32_sw((u16)in[i]));
     }
 }

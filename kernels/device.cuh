@@ -2,8 +2,9 @@
  * arx device helpers shared by every algorithm's kernel (compiled at run time
  * by NVRTC with the other files of kernels/, no CUDA headers):
  *   - memory operations with explicit scopes (PTX memory model),
- *   - bf16/f16 <-> f32 conversions written out so that they match the Rust
- *     `half` crate bit for bit,
+ *   - bf16/f16 <-> f32 conversions bit for bit as the Rust `half` crate
+ *     (the hardware's round-to-nearest-even plus the crate's NaNs on sm_80
+ *     and later, written out before),
  *   - the element types' accumulate/pack helpers (fp32 accumulator),
  *   - failure recording (arx_fail) and the block-uniform ticket helpers.
  */
@@ -122,7 +123,9 @@ __device__ __forceinline__ float bf16_to_f32(u16 i) {
     return bits_f32((u32)i << 16);
 }
 
-__device__ __forceinline__ u16 f32_to_bf16(float v) {
+/* The `half` crate's f32 -> bf16, written out (round to nearest even; a
+ * NaN keeps its sign and top payload bits and gets the quiet bit). */
+__device__ __forceinline__ u16 f32_to_bf16_sw(float v) {
     u32 x = f32_bits(v);
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((x >> 16) | 0x0040u);
     const u32 round_bit = 0x00008000u;
@@ -130,7 +133,21 @@ __device__ __forceinline__ u16 f32_to_bf16(float v) {
     return (u16)(x >> 16);
 }
 
+/* f16 -> f32 is exact, so the hardware's conversion (cvt.f32.f16: one
+ * instruction, subnormals kept without .ftz) gives the crate's bits for
+ * every non-NaN; a NaN is rebuilt the crate's way (sign, quiet bit,
+ * payload shifted up). */
 __device__ __forceinline__ float f16_to_f32(u16 i) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(i));
+    if ((i & 0x7FFFu) > 0x7C00u)
+        r = bits_f32(((u32)(i & 0x8000u) << 16) | 0x7FC00000u | ((u32)(i & 0x03FFu) << 13));
+    return r;
+}
+
+/* The `half` crate's f16 -> f32, written out (the reference the tests hold
+ * f16_to_f32 against, through arx_convert_check). */
+__device__ __forceinline__ float f16_to_f32_sw(u16 i) {
     if ((i & 0x7FFFu) == 0) return bits_f32((u32)i << 16);
     u32 half_sign = (u32)(i & 0x8000u);
     u32 half_exp = (u32)(i & 0x7C00u);
@@ -153,7 +170,9 @@ __device__ __forceinline__ float f16_to_f32(u16 i) {
     return bits_f32(sign | exp | man);
 }
 
-__device__ __forceinline__ u16 f32_to_f16(float v) {
+/* The `half` crate's f32 -> f16, written out (round to nearest even,
+ * subnormals and overflow to infinity included). */
+__device__ __forceinline__ u16 f32_to_f16_sw(float v) {
     u32 x = f32_bits(v);
     u32 sign = x & 0x80000000u;
     u32 exp = x & 0x7F800000u;
@@ -182,23 +201,66 @@ __device__ __forceinline__ u16 f32_to_f16(float v) {
     return (u16)(half_sign | he | half_man);
 }
 
-/* Element traits: storage type, lanes per 16-byte vector, NaN poison. */
+/* Two f32 -> two bf16 (f16), packed with `lo` in the low half, bit for bit
+ * as the crate's conversions above: on sm_80 and later the hardware's
+ * round-to-nearest-even conversion of both in one instruction
+ * (cvt.rn.{bf16x2,f16x2}.f32; no .satfinite, so overflow gives infinity,
+ * and no .ftz, so subnormals are kept, as the crate does), then any NaN
+ * put back the crate's way (cvt gives the canonical NaN). The written-out
+ * conversions take about ten instructions per value, and a one-block
+ * call's sum is latency-bound on its few warps: at 8 KB the sum was 2 of
+ * the kernel's 5 us on an H200 (scripts/gpu-pair-bisect, docs/GPU.md). */
+__device__ __forceinline__ u32 nan_bf16(float v) { return (f32_bits(v) >> 16) | 0x0040u; }
+__device__ __forceinline__ u32 nan_f16(float v) {
+    u32 x = f32_bits(v);
+    return ((x & 0x80000000u) >> 16) | 0x7C00u | 0x0200u | ((x & 0x007FFFFFu) >> 13);
+}
+__device__ __forceinline__ u32 pack2_bf16(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    if (lo != lo) r = (r & 0xFFFF0000u) | nan_bf16(lo);
+    if (hi != hi) r = (r & 0x0000FFFFu) | (nan_bf16(hi) << 16);
+    return r;
+#else
+    return (u32)f32_to_bf16_sw(lo) | ((u32)f32_to_bf16_sw(hi) << 16);
+#endif
+}
+__device__ __forceinline__ u32 pack2_f16(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    if (lo != lo) r = (r & 0xFFFF0000u) | nan_f16(lo);
+    if (hi != hi) r = (r & 0x0000FFFFu) | (nan_f16(hi) << 16);
+    return r;
+#else
+    return (u32)f32_to_f16_sw(lo) | ((u32)f32_to_f16_sw(hi) << 16);
+#endif
+}
+__device__ __forceinline__ u16 f32_to_bf16(float v) { return (u16)pack2_bf16(v, v); }
+__device__ __forceinline__ u16 f32_to_f16(float v) { return (u16)pack2_f16(v, v); }
+
+/* Element traits: storage type, lanes per 16-byte vector, NaN poison;
+ * pack2: two results into one 32-bit word (16-bit types only). */
 struct T_bf16 {
     typedef u16 S;
     static __device__ __forceinline__ float load(S s) { return bf16_to_f32(s); }
     static __device__ __forceinline__ S store(float f) { return f32_to_bf16(f); }
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) { return pack2_bf16(lo, hi); }
     static __device__ __forceinline__ S poison() { return (S)0x7FC0u; }
 };
 struct T_f16 {
     typedef u16 S;
     static __device__ __forceinline__ float load(S s) { return f16_to_f32(s); }
     static __device__ __forceinline__ S store(float f) { return f32_to_f16(f); }
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) { return pack2_f16(lo, hi); }
     static __device__ __forceinline__ S poison() { return (S)0x7E00u; }
 };
 struct T_f32 {
     typedef u32 S;
     static __device__ __forceinline__ float load(S s) { return bits_f32(s); }
     static __device__ __forceinline__ S store(float f) { return f32_bits(f); }
+    static __device__ __forceinline__ u32 pack2(float lo, float hi) { return 0u; } /* unused */
     static __device__ __forceinline__ S poison() { return 0x7FC00000u; }
 };
 
@@ -228,7 +290,7 @@ __device__ __forceinline__ vec4 acc_pack(const float *acc) {
     if (sizeof(typename T::S) == 2) {
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            w[k] = (u32)T::store(acc[2 * k]) | ((u32)T::store(acc[2 * k + 1]) << 16);
+            w[k] = T::pack2(acc[2 * k], acc[2 * k + 1]);
     } else {
 #pragma unroll
         for (int k = 0; k < 4; k++) w[k] = (u32)T::store(acc[k]);

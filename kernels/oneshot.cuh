@@ -313,7 +313,7 @@ __device__ __forceinline__ void reduce_span(u32 op, u32 world, u32 me, const typ
 }
 
 /* Reduces `nu` units of this thread, units u0 + j*stride (j < nu; a unit
- * as in reduce_span), each by reduce_span's rule, with up to four vector
+ * as in reduce_span), each by reduce_span's rule, with B (2 or 4) vector
  * units' loads in flight at once (two ranks' operands each): a thread that
  * owns several units waits for a few round trips to the (PCIe-distant)
  * peers' partials, not one per unit. Rank order and one rounding as
@@ -321,7 +321,7 @@ __device__ __forceinline__ void reduce_span(u32 op, u32 world, u32 me, const typ
  * thread); the multi-block sum keeps one unit at a time (reduce_span):
  * with reduce_units there it was 1.3-3.9 us slower at 32-64 KB, 2 ranks
  * under MPS (three alternated rounds, docs/GPU.md). */
-template <class T>
+template <class T, u32 B>
 __device__ __forceinline__ void reduce_units(u32 op, u32 world, u32 me, const typename T::S *in,
                                              const unsigned char *recv, u64 slot,
                                              typename T::S *out, u32 count, u32 u0, u32 stride,
@@ -330,7 +330,6 @@ __device__ __forceinline__ void reduce_units(u32 op, u32 world, u32 me, const ty
     const u32 VE = 16 / sizeof(S);
     const u32 unit = vec ? VE : 1u;
     const u32 nunits = (count + unit - 1) / unit;
-    const u32 B = 4;
     for (u32 j0 = 0; j0 < nu; j0 += B) {
         u32 e[B];
         bool mine[B], full[B];
@@ -583,9 +582,18 @@ __device__ void oneshot_single(const arx_params_t &p) {
                             &s_status);
     }
     if (!failed) test_pause(p);
-    if (!failed)
-        reduce_units<T>(cl.op, cl.world, cl.me, cl.in, cl.recv, cl.slot, cl.out, cl.count, tid,
-                        bd, (cl.nunits + bd - 1) / bd, cl.vec);
+    if (!failed) {
+        /* B units in flight per thread: as many as it owns, up to four
+         * (the loop's code runs for all B, owned or not, and a one-block
+         * kernel is latency-bound on its few warps). */
+        const u32 nu = (cl.nunits + bd - 1) / bd;
+        if (nu <= 2)
+            reduce_units<T, 2>(cl.op, cl.world, cl.me, cl.in, cl.recv, cl.slot, cl.out, cl.count,
+                               tid, bd, nu, cl.vec);
+        else
+            reduce_units<T, 4>(cl.op, cl.world, cl.me, cl.in, cl.recv, cl.slot, cl.out, cl.count,
+                               tid, bd, nu, cl.vec);
+    }
 
     /* leave: the grid's status is this block's (arx_fail records it) */
     const u32 status = block_status(cl.st, &s_slot);

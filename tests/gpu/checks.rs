@@ -6,8 +6,14 @@ use super::*;
 
 /// The kernels' own f32 → bf16/f16 conversions and back, against `half`:
 /// every 16-bit pattern (widening), and for every sign and f32 exponent
-/// the mantissas around the bf16 and f16 rounding points (ties, ties ± 1)
-/// plus 2000 random ones. One rank checks (the GPU is the same for all).
+/// the mantissas around the bf16 and f16 rounding points (ties, ties ± 1,
+/// and the ties of every f16 subnormal position) plus 2000 random ones,
+/// and the edges (±inf, the f16 and bf16 overflow ties, 2⁻²⁵). The
+/// kernel sends pattern i through one of its conversion paths by i % 4
+/// (the packed hardware conversion's low or high half, the written-out
+/// one), so the list goes four times, shifted by 0-3 leading patterns:
+/// every pattern through every path. One rank checks (the GPU is the same
+/// for all).
 pub(super) fn conversions(ctx: &Ctx, st: Staging) -> R {
     let (arx, _s) = build(ctx, st, Duration::from_secs(20))?;
     if ctx.rank != 0 {
@@ -23,47 +29,50 @@ pub(super) fn conversions(ctx: &Ctx, st: Staging) -> R {
             ] {
                 bits.push(sign | exp << 23 | m);
             }
+            // f16 subnormal results: the round bit of each position.
+            for sh in 13u32..=22 {
+                for m in [1u32 << sh, 3 << sh, (1 << sh) - 1, (1 << sh) + 1] {
+                    bits.push(sign | exp << 23 | (m & 0x7F_FFFF));
+                }
+            }
             for _ in 0..2000 {
                 bits.push(sign | exp << 23 | rng.gen_range(0..0x80_0000u32));
             }
         }
+        for edge in [
+            0x7F80_0000u32,
+            0x477F_F000,
+            0x477F_EFFF,
+            0x7F7F_8000,
+            0x3300_0000,
+        ] {
+            bits.push(sign | edge);
+        }
     }
-    let out = arx.gpu_convert_check(&bits).map_err(e("convert check"))?;
     let mut bad = Vec::new();
     let mut nbad = 0usize;
-    for (i, &b) in bits.iter().enumerate() {
-        let f = f32::from_bits(b);
-        let h = b as u16;
-        let checks = [
-            (
-                "f32->bf16",
-                u32::from(out.bf16[i]),
-                u32::from(bf16::from_f32(f).to_bits()),
-            ),
-            (
-                "f32->f16",
-                u32::from(out.f16[i]),
-                u32::from(f16::from_f32(f).to_bits()),
-            ),
-            (
-                "bf16->f32",
-                out.bf16_back[i],
-                bf16::from_bits(h).to_f32().to_bits(),
-            ),
-            (
-                "f16->f32",
-                out.f16_back[i],
-                f16::from_bits(h).to_f32().to_bits(),
-            ),
-        ];
-        for (what, got, want) in checks {
-            if got != want {
-                nbad += 1;
-                if bad.len() < 8 {
-                    bad.push(format!("{what}({b:#010x}): gpu {got:#x}, half {want:#x}"));
-                }
-            }
-        }
+    for shift in 0..4usize {
+        // `shift` leading patterns move every pattern to the next path.
+        let shifted: Vec<u32> = bits[..shift].iter().chain(&bits).copied().collect();
+        let out = arx
+            .gpu_convert_check(&shifted)
+            .map_err(e("convert check"))?;
+        let at = |v: &[u16], i: usize| v[i + shift];
+        let at32 = |v: &[u32], i: usize| v[i + shift];
+        check_conversions(
+            &bits,
+            |i| {
+                (
+                    at(&out.bf16, i),
+                    at(&out.f16, i),
+                    at32(&out.bf16_back, i),
+                    at32(&out.f16_back, i),
+                )
+            },
+            shift,
+            &mut bad,
+            &mut nbad,
+        );
     }
     if nbad > 0 {
         return Err(format!(
@@ -72,10 +81,51 @@ pub(super) fn conversions(ctx: &Ctx, st: Staging) -> R {
         ));
     }
     ctx.say(format!(
-        "{} patterns match `half` bit for bit (4 directions)",
+        "{} patterns match `half` bit for bit (4 directions, each pattern through every path)",
         bits.len()
     ));
     Ok(())
+}
+
+/// Compares the kernel's conversions of `bits` (`got(i)`: bf16, f16,
+/// bf16 → f32, f16 → f32 of pattern i) with `half`'s.
+fn check_conversions(
+    bits: &[u32],
+    got: impl Fn(usize) -> (u16, u16, u32, u32),
+    shift: usize,
+    bad: &mut Vec<String>,
+    nbad: &mut usize,
+) {
+    for (i, &b) in bits.iter().enumerate() {
+        let (g_bf, g_hf, g_bfb, g_hfb) = got(i);
+        let f = f32::from_bits(b);
+        let h = b as u16;
+        let path = (i + shift) % 4;
+        let checks = [
+            (
+                "f32->bf16",
+                u32::from(g_bf),
+                u32::from(bf16::from_f32(f).to_bits()),
+            ),
+            (
+                "f32->f16",
+                u32::from(g_hf),
+                u32::from(f16::from_f32(f).to_bits()),
+            ),
+            ("bf16->f32", g_bfb, bf16::from_bits(h).to_f32().to_bits()),
+            ("f16->f32", g_hfb, f16::from_bits(h).to_f32().to_bits()),
+        ];
+        for (what, got, want) in checks {
+            if got != want {
+                *nbad += 1;
+                if bad.len() < 8 {
+                    bad.push(format!(
+                        "{what}({b:#010x}, kernel path {path}): gpu {got:#x}, half {want:#x}"
+                    ));
+                }
+            }
+        }
+    }
 }
 
 /// The former gpu_check's lengths: odd ones, vector boundaries, the slot's
