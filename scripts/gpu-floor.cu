@@ -161,6 +161,88 @@ __global__ void pingpong(u64 *ping, u64 *pong, int iters, int vol, u64 *out_ns) 
     *out_ns = t1 - t0;
 }
 
+// Ping-pong with the poll spread over k poller warps (issue 9 item 3:
+// does the flag's detection, on average about one PCIe read round trip
+// after the flag lands, shrink when k reads are in flight at once, issued
+// rtt/k apart?). Warp 0's lane 0 stores ping and waits in shared memory;
+// lane 0 of warps 1..k, from the store's time + (w-1) * stagger SM clocks
+// (clock64: one block, one SM, one clock; %globaltimer may tick coarsely), polls
+// pong with ld.acquire.sys until it reads the round's value or another
+// poller has posted it (fence.acq_rel.cta, then an atomic max in shared
+// memory: the handoff arx's block would need). k = 1 is the same poll from
+// a warp of its own (the cost of the shared-memory hop). pause_ns: a
+// __nanosleep after each read that missed (does a poll's traffic slow the
+// CPU's answer?).
+// Timer reads kept in place around the loads they bracket ("memory").
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    return t;
+}
+__device__ __forceinline__ u64 clocks() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+    return t;
+}
+__global__ void pingpong_k(u64 *ping, const u64 *pong, int iters, u64 stagger, u32 pause_ns,
+                           u64 *out_ns) {
+    __shared__ unsigned long long s_seen, s_t;
+    __shared__ int s_iter;
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        s_seen = 0;
+        s_t = 0;
+        s_iter = 0;
+    }
+    __syncthreads();
+    if (lane != 0) return;
+    volatile int *iter = &s_iter;
+    volatile unsigned long long *seen = &s_seen, *t_store = &s_t;
+    if (warp == 0) {
+        const u64 t0 = globaltimer();
+        for (int i = 1; i <= iters; i++) {
+            *t_store = clocks();
+            __threadfence_block();
+            *iter = i;
+            st_release_sys(ping, (u64)i);
+            while (*seen < (u64)i) {
+            }
+            asm volatile("fence.acq_rel.cta;" ::: "memory");
+        }
+        *out_ns = globaltimer() - t0;
+        *iter = iters + 1; // the pollers' stop
+        return;
+    }
+    for (int i = 1; i <= iters; i++) {
+        while (*iter < i) {
+        }
+        if (*iter > iters) return;
+        const u64 start = *t_store + (u64)(warp - 1) * stagger;
+        while (clocks() < start && *seen < (u64)i) {
+        }
+        while (*seen < (u64)i) {
+            u64 v = ld_acquire_sys(pong);
+            if (v >= (u64)i) {
+                asm volatile("fence.acq_rel.cta;" ::: "memory");
+                atomicMax((unsigned long long *)&s_seen, (unsigned long long)v);
+                break;
+            }
+            if (pause_ns) __nanosleep(pause_ns);
+        }
+    }
+}
+
+// One thread: `n` dependent ld.acquire.sys of a host word (its round
+// trip): out[0] in ns, out[1] in SM clocks.
+__global__ void read_rtt(const u64 *p, int n, u64 *out) {
+    u64 x = 0;
+    const u64 t0 = globaltimer();
+    const u64 c0 = clocks();
+    for (int i = 0; i < n; i++) x += ld_acquire_sys(p + (x & 1));
+    out[1] = (clocks() - c0) / n + (x == 12345 ? 1 : 0);
+    out[0] = (globaltimer() - t0) / n;
+}
+
 static double time_graph(cudaGraphExec_t ge, cudaStream_t s, int reps) {
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
@@ -302,6 +384,58 @@ int main(int argc, char **argv) {
         CK(cudaMemcpy(&h, ns, 8, cudaMemcpyDeviceToHost));
         printf("pingpong GPU->CPU->GPU, poll %-12s %7.2f us/round trip\n",
                vol ? "ld.volatile" : "ld.acquire", h / 1000.0 / iters);
+        CK(cudaFree(ns));
+    }
+
+    // Ping-pong with k staggered pollers (pingpong_k), rtt/k apart, where
+    // rtt is one ld.acquire.sys of host memory measured first.
+    {
+        u64 *ns;
+        CK(cudaMalloc(&ns, 16));
+        read_rtt<<<1, 1, 0, s>>>(hflag + 256, 1000, ns);
+        CK(cudaStreamSynchronize(s)); // (s does not sync with cudaMemcpy's stream)
+        u64 rtt[2];
+        CK(cudaMemcpy(rtt, ns, 16, cudaMemcpyDeviceToHost));
+        printf("pingpong one ld.acquire.sys of host memory: %.2f us, %llu SM clocks\n",
+               rtt[0] / 1000.0, (unsigned long long)rtt[1]);
+        // (k, spread, pause): k pollers, all at once (spread 0) or rtt/k
+        // apart (1), pausing `pause` ns after a missed read.
+        const int cases[][3] = {{1, 0, 0},   {1, 0, 100}, {1, 0, 200}, {1, 0, 400}, {1, 0, 800},
+                                {2, 0, 0},   {2, 1, 0},   {3, 0, 0},   {3, 1, 0},   {4, 0, 0},
+                                {4, 1, 0},   {8, 0, 0},   {8, 1, 0},   {2, 1, 400}, {4, 1, 800}};
+        for (int round = 0; round < 3; round++) {
+            for (const auto &c : cases) {
+                const int k = c[0], spread = c[1];
+                const u32 pause = (u32)c[2];
+                {
+                    volatile u64 *ping = hflag_h + 64, *pong = hflag_h + 128;
+                    *ping = 0;
+                    *pong = 0;
+                    const int iters = 20000;
+                    std::thread cpu([&] {
+                        u64 seen = 0;
+                        while (seen != (u64)iters) {
+                            u64 v = __atomic_load_n(ping, __ATOMIC_ACQUIRE);
+                            if (v != seen) {
+                                seen = v;
+                                __atomic_store_n(pong, v, __ATOMIC_RELEASE);
+                            }
+                        }
+                    });
+                    // spread 1: rtt/k apart; spread 0: all at once
+                    const u64 stagger = spread ? rtt[1] / k : 0;
+                    pingpong_k<<<1, 32 * (k + 1), 0, s>>>(hflag + 64, hflag + 128, iters, stagger,
+                                                          pause, ns);
+                    CK(cudaStreamSynchronize(s));
+                    cpu.join();
+                    u64 h;
+                    CK(cudaMemcpy(&h, ns, 8, cudaMemcpyDeviceToHost));
+                    printf("pingpong GPU->CPU->GPU, %d poller warp(s), %5llu clocks apart, pause "
+                           "%3u ns (round %d) %7.2f us/round trip\n",
+                           k, (unsigned long long)stagger, pause, round + 1, h / 1000.0 / iters);
+                }
+            }
+        }
         CK(cudaFree(ns));
     }
     return 0;
