@@ -131,80 +131,105 @@ pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
 }
 
 fn collectives_of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Result<(), String> {
-    let (world, me) = (ctx.n, ctx.rank);
     let m = arx.max_count::<T>();
-    for n in [1, 5, 77, 1000, 2 * m / world + 3] {
-        // reduce_scatter of N·n elements, every op (one reference for both
-        // forms).
+    for n in [1, 5, 77, 1000, 2 * m / ctx.n + 3] {
+        // reduce_scatter of N·n elements, every op.
         for op in Op::ALL {
             *call += 1;
-            let input = verify::input_edges::<T>(SEED, *call, me, world * n);
-            let want = verify::expected_op::<T>(op, true, SEED, *call, world, world * n);
-            let want = &want[me * n..(me + 1) * n];
             for in_place in [false, true] {
-                let what = format!(
-                    "reduce_scatter {op} call {call} ({n} x {:?} per rank, in place {in_place})",
-                    T::DTYPE
-                );
-                let got: Vec<T> = if in_place {
-                    let mut buf = input.clone();
-                    arx.reduce_scatter_host_in_place_op(&mut buf, op)
-                        .map_err(|e| format!("{what}: {e}"))?;
-                    // The other blocks are left as they were.
-                    for q in (0..world).filter(|&q| q != me) {
-                        if bits(&buf[q * n..(q + 1) * n]) != bits(&input[q * n..(q + 1) * n]) {
-                            return Err(format!("{what}: block {q} (not this rank's) changed"));
-                        }
-                    }
-                    buf[me * n..(me + 1) * n].to_vec()
-                } else {
-                    let mut out = vec![T::from_f32(0.0); n];
-                    verify::poison(&mut out);
-                    arx.reduce_scatter_host_op(&input, &mut out, op)
-                        .map_err(|e| format!("{what}: {e}"))?;
-                    out
-                };
-                let wrong = verify::count_wrong_op(op, &got, want);
-                if wrong != 0 {
-                    return Err(format!("{what}: {wrong} wrong"));
-                }
+                rs_call::<T>(ctx, arx, op, *call, n, in_place)?;
             }
         }
         for in_place in [false, true] {
-            // all_gather of n elements per rank: every rank's exact bits.
             *call += 1;
-            let what = format!(
-                "all_gather call {call} ({n} x {:?} per rank, in place {in_place})",
-                T::DTYPE
-            );
-            let mine = verify::input_edges::<T>(SEED, *call, me, n);
-            let want: Vec<T> = (0..world)
-                .flat_map(|q| verify::input_edges::<T>(SEED, *call, q, n))
-                .collect();
-            let mut out = vec![T::from_f32(0.0); world * n];
-            verify::poison(&mut out);
-            if in_place {
-                out[me * n..(me + 1) * n].copy_from_slice(&mine);
-                arx.all_gather_host_in_place(&mut out)
-            } else {
-                arx.all_gather_host(&mine, &mut out)
-            }
-            .map_err(|e| format!("{what}: {e}"))?;
-            if bits(&out) != bits(&want) {
-                let i = (0..out.len())
-                    .find(|&i| bits(&out[i..=i]) != bits(&want[i..=i]))
-                    .unwrap_or(0);
-                return Err(format!(
-                    "{what}: element {i} (rank {}'s) is {:?}, want {:?}",
-                    i / n.max(1),
-                    verify::value_of(&out[i]),
-                    verify::value_of(&want[i])
-                ));
-            }
-            same_everywhere(ctx, verify::digest(&out))?;
+            ag_call::<T>(ctx, arx, *call, n, in_place)?;
         }
     }
     Ok(())
+}
+
+/// One reduce_scatter of `n` elements per rank (this rank's edge inputs of
+/// call `call`, N·n of them), checked against the reference's block of
+/// this rank; in place, the other blocks must be left as they were.
+fn rs_call<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    op: Op,
+    call: u64,
+    n: usize,
+    in_place: bool,
+) -> Result<(), String> {
+    let (world, me) = (ctx.n, ctx.rank);
+    let input = verify::input_edges::<T>(SEED, call, me, world * n);
+    let want = verify::expected_op::<T>(op, true, SEED, call, world, world * n);
+    let want = &want[me * n..(me + 1) * n];
+    let what = format!(
+        "reduce_scatter {op} call {call} ({n} x {:?} per rank, in place {in_place})",
+        T::DTYPE
+    );
+    let got: Vec<T> = if in_place {
+        let mut buf = input.clone();
+        arx.reduce_scatter_host_in_place_op(&mut buf, op)
+            .map_err(|e| format!("{what}: {e}"))?;
+        // The other blocks are left as they were.
+        for q in (0..world).filter(|&q| q != me) {
+            if bits(&buf[q * n..(q + 1) * n]) != bits(&input[q * n..(q + 1) * n]) {
+                return Err(format!("{what}: block {q} (not this rank's) changed"));
+            }
+        }
+        buf[me * n..(me + 1) * n].to_vec()
+    } else {
+        let mut out = vec![T::from_f32(0.0); n];
+        verify::poison(&mut out);
+        arx.reduce_scatter_host_op(&input, &mut out, op)
+            .map_err(|e| format!("{what}: {e}"))?;
+        out
+    };
+    let wrong = verify::count_wrong_op(op, &got, want);
+    if wrong != 0 {
+        return Err(format!("{what}: {wrong} wrong"));
+    }
+    Ok(())
+}
+
+/// One all_gather of `n` elements per rank: every rank's exact bits.
+fn ag_call<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    call: u64,
+    n: usize,
+    in_place: bool,
+) -> Result<(), String> {
+    let (world, me) = (ctx.n, ctx.rank);
+    let what = format!(
+        "all_gather call {call} ({n} x {:?} per rank, in place {in_place})",
+        T::DTYPE
+    );
+    let mine = verify::input_edges::<T>(SEED, call, me, n);
+    let want: Vec<T> = (0..world)
+        .flat_map(|q| verify::input_edges::<T>(SEED, call, q, n))
+        .collect();
+    let mut out = vec![T::from_f32(0.0); world * n];
+    verify::poison(&mut out);
+    if in_place {
+        out[me * n..(me + 1) * n].copy_from_slice(&mine);
+        arx.all_gather_host_in_place(&mut out)
+    } else {
+        arx.all_gather_host(&mine, &mut out)
+    }
+    .map_err(|e| format!("{what}: {e}"))?;
+    if bits(&out) != bits(&want) {
+        let i = (0..out.len())
+            .find(|&i| bits(&out[i..=i]) != bits(&want[i..=i]))
+            .unwrap_or(0);
+        return Err(format!(
+            "{what}: element {i} (rank {}'s) is {:?}, want {:?}",
+            i / n.max(1),
+            verify::value_of(&out[i]),
+            verify::value_of(&want[i])
+        ));
+    }
+    same_everywhere(ctx, verify::digest(&out))
 }
 
 /// reduce_scatter (every op) and all_gather, every dtype, lengths from 1
@@ -455,54 +480,67 @@ fn bcast_input<T: Element>(call: u64, rank: usize, n: usize) -> Vec<T> {
 }
 
 fn broadcasts_of<T: Element>(ctx: &Ctx, arx: &mut Arx, call: &mut u64) -> Result<(), String> {
-    let (world, me) = (ctx.n, ctx.rank);
     let m = arx.max_count::<T>();
     for n in [0, 1, 77, 1001, 2 * m + 3] {
-        for root in 0..world {
+        for root in 0..ctx.n {
             for in_place in [false, true] {
                 *call += 1;
-                let what = format!(
-                    "broadcast call {call} ({n} x {:?} from root {root}, in place {in_place})",
-                    T::DTYPE
-                );
-                // Every rank has its own input (the non-roots' must be
-                // ignored) and computes the root's on its own.
-                let mine = bcast_input::<T>(*call, me, n);
-                let want = bcast_input::<T>(*call, root, n);
-                let mut out = vec![T::from_f32(0.0); n];
-                verify::poison(&mut out);
-                if in_place {
-                    // A non-root's buffer stays poisoned: every element
-                    // must be written.
-                    if me == root {
-                        out.copy_from_slice(&mine);
-                    }
-                    arx.broadcast_host_in_place(&mut out, root)
-                } else {
-                    arx.broadcast_host(&mine, &mut out, root)
-                }
-                .map_err(|e| format!("{what}: {e}"))?;
-                if bits(&out) != bits(&want) {
-                    let i = (0..n)
-                        .find(|&i| bits(&out[i..=i]) != bits(&want[i..=i]))
-                        .unwrap_or(0);
-                    return Err(format!(
-                        "{what}: element {i} is {:?} ({:02x?}), want {:?} ({:02x?})",
-                        verify::value_of(&out[i]),
-                        bits(&out[i..=i]),
-                        verify::value_of(&want[i]),
-                        bits(&want[i..=i]),
-                    ));
-                }
-                // The input is left as it was.
-                if bits(&mine) != bits(&bcast_input::<T>(*call, me, n)) {
-                    return Err(format!("{what}: the input changed"));
-                }
-                same_everywhere(ctx, verify::digest(&out))?;
+                bc_call::<T>(ctx, arx, *call, n, root, in_place)?;
             }
         }
     }
     Ok(())
+}
+
+/// One broadcast of `n` elements from `root`: the root's bits on every
+/// rank (NaN payloads included), the input left as it was.
+fn bc_call<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    call: u64,
+    n: usize,
+    root: usize,
+    in_place: bool,
+) -> Result<(), String> {
+    let me = ctx.rank;
+    let what = format!(
+        "broadcast call {call} ({n} x {:?} from root {root}, in place {in_place})",
+        T::DTYPE
+    );
+    // Every rank has its own input (the non-roots' must be ignored) and
+    // computes the root's on its own.
+    let mine = bcast_input::<T>(call, me, n);
+    let want = bcast_input::<T>(call, root, n);
+    let mut out = vec![T::from_f32(0.0); n];
+    verify::poison(&mut out);
+    if in_place {
+        // A non-root's buffer stays poisoned: every element must be
+        // written.
+        if me == root {
+            out.copy_from_slice(&mine);
+        }
+        arx.broadcast_host_in_place(&mut out, root)
+    } else {
+        arx.broadcast_host(&mine, &mut out, root)
+    }
+    .map_err(|e| format!("{what}: {e}"))?;
+    if bits(&out) != bits(&want) {
+        let i = (0..n)
+            .find(|&i| bits(&out[i..=i]) != bits(&want[i..=i]))
+            .unwrap_or(0);
+        return Err(format!(
+            "{what}: element {i} is {:?} ({:02x?}), want {:?} ({:02x?})",
+            verify::value_of(&out[i]),
+            bits(&out[i..=i]),
+            verify::value_of(&want[i]),
+            bits(&want[i..=i]),
+        ));
+    }
+    // The input is left as it was.
+    if bits(&mine) != bits(&bcast_input::<T>(call, me, n)) {
+        return Err(format!("{what}: the input changed"));
+    }
+    same_everywhere(ctx, verify::digest(&out))
 }
 
 /// broadcast from every root, every dtype, lengths 0 to longer than one
@@ -660,4 +698,84 @@ pub(super) fn broadcast_mismatch(ctx: &Ctx) -> Result<(), String> {
         return Err(format!("a broadcast mismatch took {d:?} (times: {took:?})"));
     }
     Ok(())
+}
+
+/// A seeded random sequence of calls, the same on every rank: every
+/// collective (all-reduce, reduce_scatter, all_gather, broadcast from any
+/// root), op, dtype and length (1 element to past two slots, with the
+/// slot's edges often), in place or not, each on one of three instances
+/// (one-shot, two-shot, auto; one-page slots, so long calls are chunked)
+/// picked at random. Each result is checked as in the per-collective
+/// cases, which move from one kind of call to another only at their block
+/// boundaries; here the protocol's state (parity, chunk and pipeline
+/// counters, flag patterns) goes from any kind of call to any other.
+pub(super) fn random_sequence(ctx: &Ctx) -> Result<(), String> {
+    use rand::{Rng, SeedableRng};
+    let mut insts = Vec::new();
+    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Auto] {
+        insts.push(
+            builder()
+                .slot_bytes(4096)
+                .algo(algo)
+                .build(ctx.world)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    // Every draw is made on every rank in the same order (nothing below
+    // draws on a rank-dependent branch), so the ranks agree on each call.
+    let mut rng = rand::rngs::StdRng::seed_from_u64(SEED ^ 0x5e9);
+    let calls = if ctx.n > 4 { 80 } else { 200 };
+    let mut kinds = [0usize; 4];
+    for k in 0..calls {
+        let call = 30_000 + k;
+        let which = rng.gen_range(0..insts.len());
+        let dtype = rng.gen_range(0..3);
+        let kind = rng.gen_range(0..4);
+        kinds[kind] += 1;
+        let arx = &mut insts[which];
+        let r = match dtype {
+            0 => random_call::<bf16>(ctx, arx, call, kind, &mut rng),
+            1 => random_call::<f16>(ctx, arx, call, kind, &mut rng),
+            _ => random_call::<f32>(ctx, arx, call, kind, &mut rng),
+        };
+        r.map_err(|e| format!("call {k} of the sequence, instance {which}: {e}"))?;
+    }
+    if kinds.contains(&0) {
+        return Err(format!("the sequence left out a collective: {kinds:?}"));
+    }
+    Ok(())
+}
+
+fn random_call<T: Element>(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    call: u64,
+    kind: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<(), String> {
+    use rand::Rng;
+    let m = arx.max_count::<T>();
+    // The total length: short, around one slot, anything up to three
+    // slots, or just past two.
+    let total = match rng.gen_range(0..4) {
+        0 => rng.gen_range(1..=16),
+        1 => rng.gen_range(m - 2..=m + 2),
+        2 => rng.gen_range(1..=3 * m),
+        _ => 2 * m + rng.gen_range(0..5),
+    };
+    let op = Op::ALL[rng.gen_range(0..Op::ALL.len())];
+    let in_place = rng.gen_bool(0.5);
+    let root = rng.gen_range(0..ctx.n);
+    // reduce_scatter and all_gather: about `total` elements in all.
+    let per = (total / ctx.n).max(1);
+    match kind {
+        0 => {
+            let input = verify::input_edges::<T>(SEED, call, ctx.rank, total);
+            let want = verify::expected_op::<T>(op, true, SEED, call, ctx.n, total);
+            reduce_by::<T>(ctx, arx, op, call, &input, &want, in_place).map(|_| ())
+        }
+        1 => rs_call::<T>(ctx, arx, op, call, per, in_place),
+        2 => ag_call::<T>(ctx, arx, call, per, in_place),
+        _ => bc_call::<T>(ctx, arx, call, total, root, in_place),
+    }
 }

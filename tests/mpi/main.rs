@@ -279,6 +279,10 @@ fn child() -> ExitCode {
             reduce_scatter_all_gather,
         ),
         ("ranks that choose other algorithms fail at start-up", algo_mismatch),
+        (
+            "a random sequence of every collective, op, dtype and length on three instances",
+            random_sequence,
+        ),
         ("one rank calls another collective", collective_mismatch),
         (
             "one rank reduce-scatters what the others all-reduce two-shot",
