@@ -87,20 +87,26 @@ fn one_answer_of<T: Element>(ctx: &Ctx, insts: &mut [Arx], call: &mut u64) -> Re
     Ok(())
 }
 
-/// Every op, dtype and length (a one-page slot: the longest calls are
-/// chunked) by one-shot, two-shot and the automatic choice, out of place
-/// and in place: the same bits everywhere, and right.
-pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
-    let mut insts = Vec::new();
-    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Auto] {
-        insts.push(
+/// One instance per algorithm (one-shot, two-shot, auto), each with a
+/// one-page slot (the longest calls are chunked).
+fn three_instances(ctx: &Ctx) -> Result<Vec<Arx>, String> {
+    [Algo::OneShot, Algo::TwoShot, Algo::Auto]
+        .into_iter()
+        .map(|algo| {
             builder()
                 .slot_bytes(4096)
                 .algo(algo)
                 .build(ctx.world)
-                .map_err(|e| e.to_string())?,
-        );
-    }
+                .map_err(|e| e.to_string())
+        })
+        .collect()
+}
+
+/// Every op, dtype and length (a one-page slot: the longest calls are
+/// chunked) by one-shot, two-shot and the automatic choice, out of place
+/// and in place: the same bits everywhere, and right.
+pub(super) fn one_answer(ctx: &Ctx) -> Result<(), String> {
+    let mut insts = three_instances(ctx)?;
     let mut call = 9000;
     one_answer_of::<bf16>(ctx, &mut insts, &mut call)?;
     one_answer_of::<f16>(ctx, &mut insts, &mut call)?;
@@ -711,16 +717,7 @@ pub(super) fn broadcast_mismatch(ctx: &Ctx) -> Result<(), String> {
 /// counters, flag patterns) goes from any kind of call to any other.
 pub(super) fn random_sequence(ctx: &Ctx) -> Result<(), String> {
     use rand::{Rng, SeedableRng};
-    let mut insts = Vec::new();
-    for algo in [Algo::OneShot, Algo::TwoShot, Algo::Auto] {
-        insts.push(
-            builder()
-                .slot_bytes(4096)
-                .algo(algo)
-                .build(ctx.world)
-                .map_err(|e| e.to_string())?,
-        );
-    }
+    let mut insts = three_instances(ctx)?;
     // Every draw is made on every rank in the same order (nothing below
     // draws on a rank-dependent branch), so the ranks agree on each call.
     let mut rng = rand::rngs::StdRng::seed_from_u64(SEED ^ 0x5e9);
