@@ -743,6 +743,9 @@ pub(super) fn random_sequence(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
+/// One call of `random_sequence`: collective `kind` (0 all-reduce, 1
+/// reduce_scatter, 2 all_gather, 3 broadcast) with its length, op, form
+/// and root drawn from `rng`, checked by the per-collective helpers.
 fn random_call<T: Element>(
     ctx: &Ctx,
     arx: &mut Arx,
