@@ -58,7 +58,18 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         DeviceKind::Auto => match missing {
             None => true,
             Some(r) => {
-                log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r));
+                // Some ranks could have run the GPU side: a job (a
+                // benchmark above all) that meant the GPU would otherwise
+                // time the host side without a word. Rank 0 says it once.
+                let some_gpu = avail.iter().any(|b| b.first() == Some(&1));
+                if some_gpu && rank == 0 {
+                    log::warn!(
+                        "arx: ARX_DEVICE=auto: every rank runs the host device side, as rank {r}                          cannot run the GPU side ({}) while others can; ARX_DEVICE=gpu makes                          that an error, ARX_DEVICE=host silences this",
+                        peer_text(r)
+                    );
+                } else {
+                    log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r));
+                }
                 false
             }
         },

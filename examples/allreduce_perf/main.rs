@@ -179,7 +179,8 @@ struct Args {
     /// `Algo::choose`), oneshot, twoshot, or all: one instance per
     /// algorithm (built with `Builder::algo`), one column each (arx-1shot,
     /// arx-2shot, arx-auto). Not given: one instance as `ARX_ALGO` says,
-    /// column "arx". Host instances (the GPU device side runs one-shot).
+    /// column "arx". A GPU instance times one algorithm per run (`all`
+    /// is refused there).
     #[arg(short = 'A', long = "algo")]
     algo: Option<String>,
     /// Collective: allreduce (default), reduce_scatter or all_gather
