@@ -4,8 +4,17 @@
  * scripts/gpu-c-example builds and runs it (several ranks on one GPU need
  * MPS):
  *
- *   nvcc -O2 -ccbin mpicxx allreduce_cuda.cu $(pkg-config --cflags --libs arx) -o allreduce_cuda
+ *   cd examples/c       # reference.h is beside this file
+ *   nvcc -O2 -std=c++17 $(pkg-config --cflags arx) \
+ *        $(for d in $(mpicxx --showme:incdirs); do echo -I$d; done) \
+ *        -c allreduce_cuda.cu -o allreduce_cuda.o
+ *   mpicxx allreduce_cuda.o -o allreduce_cuda $(pkg-config --libs arx) \
+ *        -Wl,-rpath,$HOME/arx/lib -L$CUDA/lib64 -lcudart -Wl,-rpath,$CUDA/lib64
  *   mpirun -n 2 ./allreduce_cuda
+ *
+ * (compiled by nvcc, linked by mpicxx: nvcc refuses some of MPI's host
+ * flags; $HOME/arx is the scripts/install prefix, $CUDA the toolkit's
+ * directory, e.g. /usr/local/cuda).
  *
  * Every rank derives every rank's input from a seed and computes the
  * expected sum on the host itself (reference.h: rank order, fp32

@@ -21,11 +21,13 @@ pub(super) fn check_memlock_with(needed: usize, soft: u64, hard: u64) -> Result<
     }
     Err(Error::Topology(format!(
         "RLIMIT_MEMLOCK is {} (hard {}), but RDMA registration needs {} locked: raise it \
-         before starting the ranks: `ulimit -l unlimited` in the launching shell (up to the \
-         hard limit), `memlock unlimited` for the user in /etc/security/limits.conf, \
-         `--ulimit memlock=-1` for containers (docker/podman), and under Slurm \
-         `srun --propagate=MEMLOCK` (or PropagateResourceLimits in slurm.conf) with a raised \
-         limit for slurmd (LimitMEMLOCK=infinity)",
+         before starting the ranks, on every node: `memlock unlimited` for the user in \
+         /etc/security/limits.conf (or limits.d; log in again: ranks started over ssh get \
+         it too), `ulimit -l unlimited` in the launching shell (up to the hard limit; this \
+         node only), `--ulimit memlock=-1` for containers (docker/podman); under Slurm, \
+         which by default gives a job the submitting shell's limit, either that shell's \
+         limit raised or PropagateResourceLimitsExcept=MEMLOCK in slurm.conf with slurmd \
+         run under LimitMEMLOCK=infinity",
         human(soft),
         human(hard),
         human(needed as u64)
@@ -126,7 +128,8 @@ mod tests {
             "64.0 MiB",
             "ulimit -l unlimited",
             "--ulimit memlock=-1",
-            "--propagate=MEMLOCK",
+            "PropagateResourceLimitsExcept=MEMLOCK",
+            "LimitMEMLOCK=infinity",
             "limits.conf",
         ] {
             assert!(m.contains(needle), "missing {needle:?} in {m}");
