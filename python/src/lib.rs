@@ -730,5 +730,13 @@ fn _arx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SETTINGS", settings::KEYWORDS.to_vec())?;
     m.add("MPI_LIBRARY", mpi_library_version())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(_log_level_of, m)?)?;
     Ok(())
+}
+
+/// The level a `RUST_LOG` value gives arx's records (`logger::level_of`),
+/// by name: for the tests only.
+#[pyfunction]
+fn _log_level_of(value: &str) -> String {
+    logger::level_of(value).to_string()
 }

@@ -896,5 +896,22 @@ def broadcast_refuses_cuda_arrays_on_a_host_instance():
             check(dt < PROMPT, f"cuda broadcast {name}: took {dt:.1f} s")
 
 
+@case
+def rust_log_takes_a_plain_level_or_a_directive_for_arx():
+    """RUST_LOG as a Rust program's env_logger takes it: a plain level, or
+    `arx=LEVEL` (among others), which wins over a plain one; another
+    crate's directive and anything unreadable leave the default (warn)."""
+    from arx import _arx
+    for value, want in (
+        ("", "WARN"), ("info", "INFO"), (" debug ", "DEBUG"), ("off", "OFF"),
+        ("arx=info", "INFO"), ("arx=trace", "TRACE"), ("warn,arx=debug", "DEBUG"),
+        ("arx=debug,warn", "DEBUG"), ("arx::proxy=info", "INFO"), ("error,other=trace", "ERROR"),
+        ("other=trace", "WARN"), ("arxx=debug", "WARN"), ("bogus", "WARN"), ("arx=bogus", "WARN"),
+        ("info,bogus", "INFO"),
+    ):
+        got = _arx._log_level_of(value)
+        check(got == want, f"RUST_LOG={value!r}: level {got}, expected {want}")
+
+
 if __name__ == "__main__":
     sys.exit(main("test_host.py"))
