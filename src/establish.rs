@@ -58,17 +58,9 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
         DeviceKind::Auto => match missing {
             None => true,
             Some(r) => {
-                // Some ranks could have run the GPU side: a job (a
-                // benchmark above all) that meant the GPU would otherwise
-                // time the host side without a word. Rank 0 says it once.
-                let some_gpu = avail.iter().any(|b| b.first() == Some(&1));
-                if some_gpu && rank == 0 {
-                    log::warn!(
-                        "arx: ARX_DEVICE=auto: every rank runs the host device side, as rank {r}                          cannot run the GPU side ({}) while others can; ARX_DEVICE=gpu makes                          that an error, ARX_DEVICE=host silences this",
-                        peer_text(r)
-                    );
-                } else {
-                    log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r));
+                match auto_fallback_warning(&avail, r) {
+                    Some(w) if rank == 0 => log::warn!("{w}"),
+                    _ => log::debug!("arx: device side auto: host (rank {r}: {})", peer_text(r)),
                 }
                 false
             }
@@ -334,4 +326,44 @@ fn shm_placement(
     // costs when it starts: `proxy::Proxy::start`.)
     log::info!("arx: rank {rank}: {}", place.note);
     Ok(place)
+}
+
+/// With `ARX_DEVICE=auto`, rank `missing` cannot run the GPU side (`avail`:
+/// every rank's availability, 1 or 0 then the reason), so every rank runs
+/// the host side. If some rank could have run the GPU side, the job (a
+/// benchmark above all) probably meant the GPU and would otherwise time the
+/// host side without a word: the warning rank 0 logs.
+fn auto_fallback_warning(avail: &[Vec<u8>], missing: usize) -> Option<String> {
+    let some_gpu = avail.iter().any(|b| b.first() == Some(&1));
+    some_gpu.then(|| {
+        let why = String::from_utf8_lossy(avail[missing].get(1..).unwrap_or_default());
+        format!(
+            "arx: ARX_DEVICE=auto: every rank runs the host device side, as rank {missing} \
+             cannot run the GPU side ({why}) while others can; ARX_DEVICE=gpu makes that an \
+             error, ARX_DEVICE=host silences this"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::auto_fallback_warning;
+
+    #[test]
+    fn auto_warns_only_when_some_rank_had_a_gpu() {
+        let no = |why: &str| [&[0u8][..], why.as_bytes()].concat();
+        let w = auto_fallback_warning(&[vec![1], no("libcuda cannot be loaded"), vec![1]], 1)
+            .expect("a warning when ranks 0 and 2 have a GPU");
+        for needle in [
+            "rank 1 cannot",
+            "(libcuda cannot be loaded)",
+            "ARX_DEVICE=gpu",
+            "ARX_DEVICE=host",
+        ] {
+            assert!(w.contains(needle), "missing {needle:?} in {w}");
+        }
+        assert!(!w.contains("  "), "runs of spaces in {w:?}");
+        // No rank has a GPU (a CPU-only machine): nothing to say.
+        assert_eq!(auto_fallback_warning(&[no("a"), no("b")], 0), None);
+    }
 }
