@@ -43,7 +43,9 @@ def main():
 
     world = MPI.COMM_WORLD
     tp_size = a.tp or world.size
-    if world.size % tp_size or a.ffn % tp_size:
+    if a.graph and not a.gpu:
+        sys.exit("--graph needs --gpu (CUDA graphs)")
+    if tp_size < 1 or world.size % tp_size or a.ffn % tp_size:
         sys.exit(f"--tp {tp_size} must divide the world ({world.size}) and --ffn ({a.ffn})")
     # One TP group per tp_size consecutive ranks.
     tp = world.Split(color=world.rank // tp_size, key=world.rank)

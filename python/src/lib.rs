@@ -734,9 +734,10 @@ fn _arx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The level a `RUST_LOG` value gives arx's records (`logger::level_of`),
-/// by name: for the tests only.
+/// The level a `RUST_LOG` value gives records of `target`
+/// (`logger::level_of`), by name: for the tests only.
 #[pyfunction]
-fn _log_level_of(value: &str) -> String {
-    logger::level_of(value).to_string()
+#[pyo3(signature = (value, target="arx"))]
+fn _log_level_of(value: &str, target: &str) -> String {
+    logger::level_of(value, target).to_string()
 }

@@ -897,21 +897,28 @@ def broadcast_refuses_cuda_arrays_on_a_host_instance():
 
 
 @case
-def rust_log_takes_a_plain_level_or_a_directive_for_arx():
-    """RUST_LOG as a Rust program's env_logger takes it: a plain level, or
-    `arx=LEVEL` (among others), which wins over a plain one; another
-    crate's directive and anything unreadable leave the default (warn)."""
+def rust_log_is_read_as_env_logger_reads_it():
+    """RUST_LOG as a Rust program's env_logger takes it: a plain level (the
+    default for every target), `TARGET=LEVEL` or a bare `TARGET`, the
+    longest target that is the record's own or a module above it winning;
+    another crate's directive and anything unreadable leave the default
+    (warn)."""
     from arx import _arx
-    for value, want in (
-        ("", "WARN"), ("info", "INFO"), (" debug ", "DEBUG"), ("off", "OFF"),
-        ("arx=info", "INFO"), ("arx=trace", "TRACE"), ("warn,arx=debug", "DEBUG"),
-        ("arx=debug,warn", "DEBUG"), ("arx::proxy=info", "INFO"), ("error,other=trace", "ERROR"),
-        ("other=trace", "WARN"), ("arxx=debug", "WARN"), ("bogus", "WARN"), ("arx=bogus", "WARN"),
-        ("info,bogus", "INFO"),
+    for value, target, want in (
+        ("", "arx", "WARN"), ("info", "arx", "INFO"), (" debug ", "arx::proxy", "DEBUG"),
+        ("off", "arx", "OFF"), ("arx=info", "arx", "INFO"), ("arx=info", "arx::proxy", "INFO"),
+        ("arx", "arx::fabric::verbs", "TRACE"), ("warn,arx=debug", "arx::x", "DEBUG"),
+        ("arx=debug,warn", "arx", "DEBUG"), ("arx::proxy=off", "arx::proxy", "OFF"),
+        ("arx::proxy=off", "arx::fabric", "WARN"), ("arx::proxy=off", "arx", "WARN"),
+        ("arx=info,arx::proxy=trace", "arx::proxy", "TRACE"),
+        ("arx=info,arx::proxy=trace", "arx::proxy_x", "INFO"),
+        ("arx::proxy=trace,arx=info", "arx::fabric", "INFO"), ("error,other=trace", "arx", "ERROR"),
+        ("other=trace", "arx", "WARN"), ("arxx=debug", "arx", "WARN"), ("arx=debug", "arxx", "WARN"),
+        ("bogus", "arx", "WARN"), ("arx=bogus", "arx", "WARN"), ("info,bogus", "arx", "INFO"),
+        ("arx=info,arx=error", "arx", "ERROR"),
     ):
-        got = _arx._log_level_of(value)
-        check(got == want, f"RUST_LOG={value!r}: level {got}, expected {want}")
-
+        got = _arx._log_level_of(value, target)
+        check(got == want, f"RUST_LOG={value!r}, target {target}: level {got}, expected {want}")
 
 if __name__ == "__main__":
     sys.exit(main("test_host.py"))
