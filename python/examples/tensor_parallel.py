@@ -31,6 +31,14 @@ def bf16_round(x32):
     return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+def rank_order_sum(parts):
+    """((p0 + p1) + p2) + ... in float32: arx's order and accumulator."""
+    acc = parts[0].astype(np.float32)
+    for p in parts[1:]:
+        acc = (acc + p).astype(np.float32)
+    return acc
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=0, help="TP group size (default: the world)")
@@ -94,11 +102,7 @@ def main():
             torch.cuda.synchronize()
             mine = partial.float().cpu().numpy().ravel()
             got = out.view(torch.int16).cpu().numpy().view(np.uint16).ravel()
-            parts = tp.allgather(mine)
-            acc = parts[0].copy()
-            for p in parts[1:]:
-                acc = (acc + p).astype(np.float32)
-            want = bf16_round(acc)
+            want = bf16_round(rank_order_sum(tp.allgather(mine)))
             bad += int(np.count_nonzero(got != want))
     else:
         w1_r = np.ascontiguousarray(w1[:, cols])
@@ -109,11 +113,8 @@ def main():
             partial = (np.maximum(x @ w1_r, 0) @ w2_r).astype(np.float32)
             out = partial.copy()
             comm.allreduce(out)  # the sum over the TP group, in place
-            parts = tp.allgather(partial)
-            acc = parts[0].copy()
-            for p in parts[1:]:
-                acc = (acc + p).astype(np.float32)
-            bad += int(np.count_nonzero(out.view(np.uint32) != acc.view(np.uint32)))
+            want = rank_order_sum(tp.allgather(partial))
+            bad += int(np.count_nonzero(out.view(np.uint32) != want.view(np.uint32)))
     comm.close()
     tp.Free()
 
