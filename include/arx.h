@@ -146,7 +146,7 @@ typedef enum arxDataType_t {
  * Reduction operation (the values of NCCL's `ncclRedOp_t`, so that a
  * ported call never silently changes op: 1, NCCL's product, is refused).
  * Every rank must pass the same op (ranks that differ all fail the call
- * with `arxCallMismatch`). Each op combines the ranks' values widened
+ * with `arxMismatch`). Each op combines the ranks' values widened
  * exactly to fp32, in rank order, and rounds once to the element type;
  * the same bits on every rank, GPU and host side alike.
  */

@@ -177,6 +177,10 @@ typedef unsigned int uint32_t;
  * bit, no MORE; no call or refusal announces it (its element count is
  * above ARX_MAX_CHUNK). */
 #define ARX_FLAG_POISON_COUNT 0x07ffffffu
+/* Count field of the "invalid" flag words a rank writes to its peers when
+ * a call of its own timed out: as ARX_FLAG_POISON_COUNT, one element less,
+ * so that the peers' errors say which. */
+#define ARX_FLAG_FAILED_COUNT 0x07fffffeu
 /* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu
 

@@ -109,6 +109,16 @@ impl Builder {
         self
     }
 
+    /// For bindings: the name a refused setting goes by in their API
+    /// (`names("Builder::timeout")` gives, say, `"arxConfig_t.timeoutMs"`;
+    /// an `ARX_*` variable's name, or one `names` returns unchanged, stays
+    /// as it is), so that the error names what the caller wrote.
+    #[doc(hidden)]
+    pub fn names(mut self, names: fn(&'static str) -> &'static str) -> Self {
+        self.o.names = Some(names);
+        self
+    }
+
     /// Creates the instance: collective over `comm`, each step bounded by
     /// the start-up timeout. Every rank returns an error if any rank fails
     /// or disagrees; see the crate docs (Guarantees) for a timeout.

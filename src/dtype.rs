@@ -53,6 +53,11 @@ impl Dtype {
 /// its fabric failed (see `fabric::verbs`), so that they fail at once.
 pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_POISON_COUNT as usize;
 
+/// Element count of the "invalid" flag words a rank writes to its peers when
+/// a call of its own timed out (see `proxy`), so that a peer still waiting
+/// on it fails at once.
+pub(crate) const FAILED_COUNT: usize = abi::ARX_FLAG_FAILED_COUNT as usize;
+
 /// What a rank announced for a call in its flag word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -63,6 +68,9 @@ pub enum CallKind {
     Refused,
     /// Nothing: the rank's fabric failed (poisoned flags).
     FabricFailed,
+    /// Nothing: the rank had timed out in a call, so its instance is failed
+    /// for good (poisoned flags).
+    Failed,
     /// A dtype code this version does not know.
     Unknown(u32),
 }
@@ -143,6 +151,7 @@ impl CallDesc {
             None if code == abi::ARX_DTYPE_INVALID && field == POISON_COUNT => {
                 CallKind::FabricFailed
             }
+            None if code == abi::ARX_DTYPE_INVALID && field == FAILED_COUNT => CallKind::Failed,
             None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
             None => CallKind::Unknown(code),
         };
@@ -198,6 +207,12 @@ impl std::fmt::Display for CallDesc {
             }
             CallKind::FabricFailed => {
                 return write!(f, "nothing: its fabric failed (see that rank's error)")
+            }
+            CallKind::Failed => {
+                return write!(
+                    f,
+                    "nothing: it had timed out in a call (see that rank's error)"
+                )
             }
             CallKind::Refused => write!(
                 f,

@@ -207,8 +207,11 @@
 //! * Calls are bounded the same way, per rank: a rank that arrives after
 //!   its peers' timeout ran out may still complete that call (the peers'
 //!   partials were there) and return `Ok` with the right result, while the
-//!   peers return [`Error::Timeout`]; its next call fails at once. Treat
-//!   any rank's timeout as the job's.
+//!   peers return [`Error::Timeout`]; its next call fails at once with
+//!   [`Error::CallMismatch`] naming a peer whose call was
+//!   [`CallKind::Failed`]: a rank whose call times out tells its peers
+//!   (poisoned flags, from its proxy thread, while the instance lives).
+//!   Treat any rank's timeout as the job's.
 //! * Dropping instances is collective with the RDMA fabric (a barrier
 //!   bounded by the call timeout): drop them in the same order on every
 //!   rank, as `MPI_Comm_free`. Another order still frees everything but

@@ -32,6 +32,9 @@ struct Engine {
     /// Mirrored in `ctrl.sent`: every call up to it no longer needs its
     /// send slot (see [`next_sent`]).
     sent: u64,
+    /// The device side's recorded failure was told to the peers
+    /// ([`Fabric::tell_failed`]).
+    told: bool,
 }
 
 /// State shared by the proxy thread and the device side (through [`Link`]).
@@ -66,6 +69,7 @@ impl Shared {
                 fabric,
                 posted: 0,
                 sent: 0,
+                told: false,
             }),
             slot_bytes: layout.slot_bytes(),
             region,
@@ -132,6 +136,24 @@ impl Shared {
             }
             g.posted = seq;
             busy = true;
+        }
+        // A timeout the device side recorded: the instance is failed for
+        // good and publishes nothing more, so tell the peers, once, after
+        // the posts above. A peer still waiting on this rank then fails at
+        // once: one that arrived late would otherwise finish that call on
+        // this rank's partial and wait out its whole timeout in the next
+        // (the poison of the call itself may beat it to the flag: it fails
+        // that call). Not after a mismatch: every rank sees the
+        // disagreement itself, and a poison would hide it behind "rank r
+        // had failed" (a failed fabric tells its peers itself).
+        if !g.told {
+            if let Some(r) = protocol::recorded(region) {
+                g.told = true;
+                if r.code == crate::abi::ARX_STATUS_TIMEOUT {
+                    g.fabric.tell_failed(r.seq);
+                    busy = true;
+                }
+            }
         }
         match g.fabric.progress() {
             Ok(worked) => busy |= worked,
@@ -611,6 +633,7 @@ mod tests {
         fn quiescent(&self) -> bool {
             true
         }
+        fn tell_failed(&mut self, _seq: u64) {}
         fn describe(&self) -> String {
             String::new()
         }

@@ -38,6 +38,8 @@ pub(crate) struct State {
     pub(crate) arx: Arx,
     /// `arxGetLastError(comm)`; valid until the next failing call on the comm.
     last_error: CString,
+    /// The message of `last_error`, without the entry point's name.
+    last_message: String,
     /// A call panicked: the instance may be half-way through a change, so
     /// every later call fails with this message.
     broken: Option<String>,
@@ -47,6 +49,16 @@ impl State {
     /// Records `f`, the failure of entry point `name`, as the comm's last error.
     pub(crate) fn record(&mut self, name: &str, f: &Failure) {
         self.last_error = c_string(&format!("{name}: {}", f.message));
+        self.last_message.clone_from(&f.message);
+    }
+
+    /// Records `f` (the comm's error, found by `name` without failing)
+    /// unless the last error is that failure already: the message keeps
+    /// the name of the call that returned it.
+    pub(crate) fn record_found(&mut self, name: &str, f: &Failure) {
+        if self.last_message != f.message {
+            self.record(name, f);
+        }
     }
 }
 
@@ -64,6 +76,7 @@ impl arxComm {
             state: Mutex::new(State {
                 arx,
                 last_error: CString::default(),
+                last_message: String::new(),
                 broken: None,
             }),
         };

@@ -65,6 +65,26 @@ fn choice<T: Copy>(field: &'static str, v: c_int, choices: &[T]) -> Result<Optio
     }
 }
 
+/// The `arxConfig_t` field behind a builder option (arx names the option
+/// it refuses; the C caller wrote the field).
+fn field_of(option: &'static str) -> &'static str {
+    match option {
+        "Builder::device" => "arxConfig_t.device",
+        "Builder::fabric" => "arxConfig_t.fabric",
+        "Builder::staging" => "arxConfig_t.staging",
+        "Builder::spin" => "arxConfig_t.spin",
+        "Builder::slot_bytes" => "arxConfig_t.slotBytes",
+        "Builder::timeout" => "arxConfig_t.timeoutMs",
+        "Builder::init_timeout" => "arxConfig_t.initTimeoutMs",
+        "Builder::stall_warn" => "arxConfig_t.stallWarnMs",
+        "Builder::cuda_device" => "arxConfig_t.cudaDevice",
+        "Builder::gid_index" => "arxConfig_t.gidIndex",
+        "Builder::proxy_cpu" => "arxConfig_t.proxyCpu",
+        "Builder::devices" => "arxConfig_t.rdmaDevices",
+        other => other,
+    }
+}
+
 fn millis(field: &'static str, v: c_int) -> Result<Option<Duration>, Error> {
     Ok(non_negative(field, v)?.map(|ms| Duration::from_millis(ms as u64)))
 }
@@ -77,7 +97,7 @@ fn millis(field: &'static str, v: c_int) -> Result<Option<Duration>, Error> {
 /// `size` bytes are initialised, as `ARX_CONFIG_INITIALIZER` makes it;
 /// `rdmaDevices`, if not NULL, is a NUL-terminated string.
 pub(crate) unsafe fn builder(config: *const arxConfig_t) -> Result<Builder, Error> {
-    let mut b = Builder::default();
+    let mut b = Builder::default().names(field_of);
     if config.is_null() {
         return Ok(b);
     }

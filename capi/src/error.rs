@@ -65,7 +65,10 @@ pub(crate) fn code_of(e: &Error) -> arxResult_t {
         Error::Mismatch { .. } => arxMismatch,
         // A peer whose fabric failed announced nothing: that is its failure,
         // not a disagreement about the call.
-        Error::CallMismatch { theirs, .. } if theirs.kind == CallKind::FabricFailed => {
+        // Nor is one that had failed a call before (a timeout of its own).
+        Error::CallMismatch { theirs, .. }
+            if matches!(theirs.kind, CallKind::FabricFailed | CallKind::Failed) =>
+        {
             arxPeerFailed
         }
         Error::CallMismatch { .. } => arxMismatch,

@@ -244,7 +244,7 @@ pub unsafe extern "C" fn arxCommGetAsyncError(
         // The comm's error is the answer, not a failure of this call.
         if let Err(e) = st.arx.async_error() {
             let f = Failure::from(e);
-            st.record(name, &f);
+            st.record_found(name, &f);
             found = f.code as RawResult;
         }
         Ok(())
@@ -505,7 +505,9 @@ fn bcast_face(
     root: c_int,
 ) -> Result<call::Buffers, Failure> {
     let d = call::dtype(datatype)?;
-    let send = if sendbuff.is_null() && usize::try_from(root).ok() != Some(st.arx.rank()) {
+    // Off the root `sendbuff` is ignored, as documented: not even checked
+    // (a refusal there, on this rank only, would leave the root waiting).
+    let send = if usize::try_from(root).ok() != Some(st.arx.rank()) {
         recvbuff.cast_const()
     } else {
         sendbuff

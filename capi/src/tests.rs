@@ -71,6 +71,7 @@ fn every_error_variant_has_its_code() {
         (mismatch(call(CallKind::Reduce(Dtype::F16))), arxMismatch),
         (mismatch(call(CallKind::Refused)), arxMismatch),
         (mismatch(call(CallKind::FabricFailed)), arxPeerFailed),
+        (mismatch(call(CallKind::Failed)), arxPeerFailed),
         (
             Error::Timeout {
                 during: "d",

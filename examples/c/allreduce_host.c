@@ -282,6 +282,7 @@ int main(int argc, char **argv) {
     bad.timeoutMs = 100000000; /* over 24 h */
     r = arxCommInit(&comm, MPI_COMM_WORLD, &bad);
     CHECK(r == arxInvalidArgument, "timeout over 24 h: got %d", r);
+    CHECK(strstr(arxGetLastError(NULL), "arxConfig_t.timeoutMs") != NULL, "timeout over 24 h: the message does not name the field: %s", arxGetLastError(NULL));
 
     /* After all that, a comm works again (NULL config: environment and defaults). */
     r = arxCommInit(&comm, MPI_COMM_WORLD, NULL);

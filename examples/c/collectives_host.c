@@ -14,7 +14,8 @@
  * bytes (NaN payloads and signalling NaNs included: the call moves bits, it
  * converts nothing), and every rank must hold all of them in rank order.
  * Broadcast: from every root, random bytes again, the root's on every
- * rank (a non-root's sendbuff, its own bytes or NULL, is never read).
+ * rank (a non-root's sendbuff, its own bytes, NULL or a pointer into its
+ * recvbuff, is never read nor checked).
  * Outputs are poisoned before each call; in place (NCCL's rule:
  * recvbuff == sendbuff + rank * recvcount for reduce-scatter, sendbuff ==
  * recvbuff + rank * sendcount for all-gather) and out of place; a 4 KiB
@@ -125,8 +126,9 @@ static void checked_ag(arxComm_t comm, int t, size_t n, int in_place, uint64_t c
 }
 
 /* One checked broadcast of n elements from root. In place, a non-root's
- * buffer starts poisoned; out of place, a non-root passes its own bytes
- * or, on odd calls, NULL as sendbuff. */
+ * buffer starts poisoned; out of place, a non-root passes its own bytes,
+ * or on odd calls NULL, or on others recvbuff + 1 byte (overlapping and
+ * misaligned: ignored off the root, so not refused) as sendbuff. */
 static void checked_bc(arxComm_t comm, int t, size_t n, int root, int in_place, uint64_t call) {
     size_t bytes = n * ref_size(t);
     unsigned char *send = malloc(bytes + 1), *keep = malloc(bytes + 1);
@@ -140,7 +142,9 @@ static void checked_bc(arxComm_t comm, int t, size_t n, int root, int in_place, 
         if (rank == root) memcpy(recv, send, bytes);
         r = arxBroadcastHost(recv, recv, n, (arxDataType_t)t, root, comm);
     } else {
-        const void *s = rank != root && (call & 1) ? NULL : send;
+        const void *s = send;
+        if (rank != root && (call & 1)) s = NULL;
+        else if (rank != root && (call & 2)) s = recv + 1;
         r = arxBroadcastHost(s, recv, n, (arxDataType_t)t, root, comm);
     }
     char what[112];
@@ -238,8 +242,8 @@ int main(int argc, char **argv) {
     CHECK(r == arxInvalidArgument, "broadcast NULL recvbuff: got %d", r);
     r = arxBroadcastHost(NULL, b, 64, arxFloat32, rank, comm);
     CHECK(r == arxInvalidArgument, "broadcast NULL sendbuff on the root: got %d", r);
-    r = arxBroadcastHost(a, (char *)a + 4, 64, arxFloat32, 0, comm);
-    CHECK(r == arxInvalidArgument, "broadcast overlapping buffers: got %d", r);
+    r = arxBroadcastHost(a, (char *)a + 4, 64, arxFloat32, rank, comm);
+    CHECK(r == arxInvalidArgument, "broadcast overlapping buffers on the root: got %d", r);
     arxResult_t async = arxInternalError;
     r = arxCommGetAsyncError(comm, &async);
     CHECK(r == arxSuccess && async == arxSuccess, "async error after refused calls: %d, %d", r, async);
@@ -259,6 +263,11 @@ int main(int argc, char **argv) {
     if (rank == 0) printf("reduce-scatter count on the last rank differs: every rank fails; rank 0 after %.3f s: %s\n", took, arxGetLastError(comm));
     r = arxAllGatherHost(x, y, 100, arxFloat32, comm);
     CHECK(r == arxMismatch, "a call after the failure: got %d", r);
+    /* The async error is that failure; the last error keeps its call's name. */
+    r = arxCommGetAsyncError(comm, &async);
+    CHECK(r == arxSuccess && async == arxMismatch, "async error after the failure: %d, %d", r, async);
+    CHECK(strncmp(arxGetLastError(comm), "arxAllGatherHost: ", 18) == 0, "last error after arxCommGetAsyncError: %s",
+          arxGetLastError(comm));
     CHECK(arxCommDestroy(comm) == arxSuccess, "arxCommDestroy: %s", arxGetLastError(NULL));
 
     /* recvbuff == sendbuff on every rank (an all-reduce habit): in place on

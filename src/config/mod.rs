@@ -352,6 +352,8 @@ pub(crate) struct Overrides {
     pub cuda_device: Option<usize>,
     /// A binding's own refusal of an option (`Builder::refuse`).
     pub refused: Option<Error>,
+    /// A binding's names for the builder's options (`Builder::names`).
+    pub names: Option<fn(&'static str) -> &'static str>,
     /// `Builder::test_sum_delay`.
     pub sum_delay: Option<Duration>,
     /// `Config::settle` (unit tests only).
@@ -603,6 +605,24 @@ impl Config {
         if let Some(e) = &o.refused {
             return Err(e.clone());
         }
+        Self::resolve_options(o, get).map_err(|e| match (e, o.names) {
+            (
+                Error::Config {
+                    name,
+                    value,
+                    reason,
+                },
+                Some(names),
+            ) => Error::Config {
+                name: names(name),
+                value,
+                reason,
+            },
+            (e, _) => e,
+        })
+    }
+
+    fn resolve_options<F: Fn(&str) -> Option<String>>(o: &Overrides, get: F) -> Result<Self> {
         let device = knob(
             &get,
             o.device,

@@ -409,3 +409,33 @@ fn kernel_cache_directory() {
         Some(PathBuf::from("/home/u/.cache/arx/kernels"))
     );
 }
+
+/// A binding's names (`Builder::names`) replace the builder's in a refused
+/// option's error; a refused variable keeps its own name.
+#[test]
+fn a_bindings_names_replace_the_builders() {
+    fn names(option: &'static str) -> &'static str {
+        match option {
+            "Builder::timeout" => "binding.timeout",
+            other => other,
+        }
+    }
+    let o = Overrides {
+        timeout: Some(Duration::ZERO),
+        names: Some(names),
+        ..Default::default()
+    };
+    refused(builder(o), "binding.timeout", "0ns");
+    let o = Overrides {
+        slot_bytes: Some(0),
+        names: Some(names),
+        ..Default::default()
+    };
+    refused(builder(o), "Builder::slot_bytes", "0");
+    let o = Overrides {
+        names: Some(names),
+        ..Default::default()
+    };
+    let env = |k: &str| (k == "ARX_TIMEOUT_MS").then(|| "0".to_string());
+    refused(Config::resolve_with(&o, env), "ARX_TIMEOUT_MS", "0");
+}

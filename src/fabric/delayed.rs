@@ -75,6 +75,11 @@ impl Fabric for Delayed {
             .map_or(posted, |&(_, seq, _, _)| seq.saturating_sub(1));
         self.inner.completed_through(handed)
     }
+    fn tell_failed(&mut self, seq: u64) {
+        // At once: a post still queued here for `seq` may overwrite the
+        // poison of `seq` later, not that of `seq + 1`.
+        self.inner.tell_failed(seq)
+    }
     fn describe(&self) -> String {
         format!(
             "{} (every post delayed by {:?}: {VAR})",

@@ -41,6 +41,16 @@ pub(crate) trait Fabric: Send {
     fn completed_through(&self, posted: u64) -> u64 {
         posted
     }
+    /// Tells every peer it can still reach that this rank's device side
+    /// timed out in call `seq` (failures of the fabric itself are told by
+    /// the fabric):
+    /// poisoned flag words (dtype `INVALID`,
+    /// [`FAILED_COUNT`](crate::dtype::FAILED_COUNT)) for `seq` and `seq + 1`
+    /// on every lane, so that a peer still waiting on this rank fails at
+    /// once naming it instead of at its own timeout. Best effort, once per
+    /// instance (the proxy); it never makes a peer accept data (no call's
+    /// flag word equals a poisoned one).
+    fn tell_failed(&mut self, seq: u64);
     /// One line describing the fabric (devices, GIDs, MTU, segment).
     fn describe(&self) -> String;
     /// Puts the endpoint to `peer` on `lane` into an error state (fault
@@ -97,6 +107,8 @@ pub(crate) mod fake {
         /// The next `progress` reports work of its own (as a relay's
         /// forward), once.
         pub work: AtomicBool,
+        /// The call `tell_failed` was given (0: not called).
+        pub told: AtomicU64,
     }
 
     pub(crate) struct FakeFabric {
@@ -167,6 +179,9 @@ pub(crate) mod fake {
         }
         fn completed_through(&self, posted: u64) -> u64 {
             posted.min(self.control.completed.load(Ordering::Acquire))
+        }
+        fn tell_failed(&mut self, seq: u64) {
+            self.control.told.store(seq, Ordering::Release);
         }
         fn describe(&self) -> String {
             "fake".into()

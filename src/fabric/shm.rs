@@ -769,6 +769,27 @@ impl Fabric for ShmFabric {
         true
     }
 
+    fn tell_failed(&mut self, seq: u64) {
+        let layout = &self.layout;
+        let me = layout.rank();
+        for s in [seq, seq + 1] {
+            let word =
+                protocol::flag_word(s, crate::abi::ARX_DTYPE_INVALID, crate::dtype::FAILED_COUNT);
+            for q in layout.peers() {
+                let at = Placed {
+                    region: &self.regions[q],
+                    layout,
+                };
+                for lane in 0..protocol::LANES {
+                    // Relaxed: no data goes with this word (a reader that
+                    // sees it fails the call and reads no slot).
+                    protocol::Memory::flag(&at, protocol::parity(s), me, lane)
+                        .store(word, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
     fn probe_rails(
         &mut self,
         _opts: &crate::probe::ProbeOptions,

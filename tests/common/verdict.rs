@@ -44,16 +44,19 @@ impl Verdict {
     pub fn agree(&self, failed: bool, name: &str) -> u32 {
         let mine = u32::from(failed);
         let mut sum = 0u32;
-        if !failed {
-            self.comm
-                .all_reduce_into(&mine, &mut sum, SystemOperation::sum());
-            return sum;
-        }
         let start = Instant::now();
+        // Non-blocking on every rank: MPI never matches a blocking
+        // collective with a non-blocking one (MPI 4.1, 6.12), so a passing
+        // rank's blocking all-reduce would leave a failing rank's waiting
+        // out the grace period, and aborting, every time.
         mpi::request::scope(|scope| {
             let mut req =
                 self.comm
                     .immediate_all_reduce_into(scope, &mine, &mut sum, SystemOperation::sum());
+            if !failed {
+                req.wait();
+                return;
+            }
             loop {
                 match req.test() {
                     Ok(_) => break,

@@ -203,6 +203,65 @@ pub(super) fn rank_stops(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
+/// A rank that arrives after its peers' call timeout ran out may finish that
+/// call on their partials (with the right sum) or fail it, but its next call
+/// fails at once, naming a peer that had failed: the peers that timed out
+/// told it (poisoned flags, `Fabric::tell_failed`) rather than leaving it to
+/// wait out its own timeout. Every rank keeps its instance until the late
+/// one is done (an MPI barrier), as a job whose ranks go on calling would.
+pub(super) fn late_rank_fails_next_call_at_once(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1500);
+    let mut arx = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut arx, 1, 512, false)?;
+    let late = ctx.n - 1;
+    let told = |e: &Error| {
+        matches!(e, Error::CallMismatch { theirs, peer, .. }
+            if theirs.kind == CallKind::Failed && *peer != late)
+    };
+    let input = verify::input::<f32>(SEED, 2, ctx.rank, 512);
+    let mut out = vec![0f32; 512];
+    verify::poison(&mut out);
+    let result = if ctx.rank == late {
+        std::thread::sleep(timeout + Duration::from_millis(1000));
+        match arx.allreduce_host(&input, &mut out) {
+            Ok(()) => {
+                let want = verify::expected::<f32>(SEED, 2, ctx.n, 512);
+                match verify::count_wrong(&out, &want) {
+                    0 => Ok(()),
+                    n => Err(format!("the late call returned Ok with {n} wrong")),
+                }
+            }
+            Err(e) if told(&e) => Ok(()),
+            Err(e) => Err(format!("the late call: unexpected error: {e}")),
+        }
+        .and_then(|()| {
+            let input = verify::input::<f32>(SEED, 3, ctx.rank, 512);
+            let t = Instant::now();
+            let r = arx.allreduce_host(&input, &mut out);
+            let took = t.elapsed();
+            expect_err("the call after the late one", r, told)?;
+            if took > timeout / 2 {
+                return Err(format!(
+                    "the call after the late one failed after {took:?}, not at once (timeout {timeout:?})"
+                ));
+            }
+            Ok(())
+        })
+    } else {
+        // Timed out, or told by another rank that timed out first.
+        expect_err(
+            "a call the last rank is late for",
+            arx.allreduce_host(&input, &mut out),
+            |e| matches!(e, Error::Timeout { .. }) || told(e),
+        )
+    };
+    ctx.world.barrier();
+    result
+}
+
 /// The start-up timeout bounds start-up: the last rank arrives after every
 /// other rank's (short) start-up timeout ran out; every rank, the late one
 /// included, returns a timeout within its bound. The call timeout stays

@@ -306,6 +306,10 @@ fn child() -> ExitCode {
         ("timeouts out of range are refused", timeouts_out_of_range),
         ("start-up slower than the call timeout", slow_start_up),
         ("one rank stops calling", rank_stops),
+        (
+            "a late rank's next call fails at once",
+            late_rank_fails_next_call_at_once,
+        ),
         ("a forked child's calls, barrier, check and trace are refused", forked_child),
         (
             "a late rank at start-up; the others retry at once",

@@ -252,6 +252,13 @@ impl Fabric for VerbsFabric {
             .map_err(|e| self.fail(e, seq))
     }
 
+    fn tell_failed(&mut self, seq: u64) {
+        // A failed fabric has told its peers already (`fail`).
+        if self.failed.is_none() {
+            self.poison(seq, crate::dtype::FAILED_COUNT);
+        }
+    }
+
     fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
         let i = *self
             .rails

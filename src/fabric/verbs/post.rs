@@ -185,7 +185,7 @@ impl VerbsFabric {
     pub(super) fn fail(&mut self, e: Error, seq: u64) -> Error {
         if self.failed.is_none() {
             self.failed = Some(e.clone());
-            self.poison(seq);
+            self.poison(seq, POISON_COUNT);
         }
         e
     }
@@ -377,11 +377,14 @@ impl VerbsFabric {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Writes poisoned flags for `seq` and `seq + 1` into every peer this
-    /// rank can still reach directly, so that peers waiting on it fail at
-    /// once. (A peer reached through a relay learns it from the relay, which
-    /// forwards the poisoned words like any flag.)
-    fn poison(&mut self, seq: u64) {
+    /// Writes poisoned flags (count field `count`: [`POISON_COUNT`] when
+    /// the fabric failed, [`FAILED_COUNT`](crate::dtype::FAILED_COUNT) for
+    /// [`Fabric::tell_failed`](crate::fabric::Fabric::tell_failed)) for
+    /// `seq` and `seq + 1` into every peer this rank can still reach
+    /// directly, so that peers waiting on it fail at once. (A peer reached
+    /// through a relay learns it from the relay, which forwards the poisoned
+    /// words like any flag.)
+    pub(super) fn poison(&mut self, seq: u64, count: usize) {
         let me = self.layout.rank();
         let layout = self.layout;
         for q in layout.peers() {
@@ -400,7 +403,7 @@ impl VerbsFabric {
                 .iter()
                 .flat_map(|&s| {
                     let p = (s & 1) as usize;
-                    let word = flag_word(s, crate::abi::ARX_DTYPE_INVALID, POISON_COUNT);
+                    let word = flag_word(s, crate::abi::ARX_DTYPE_INVALID, count);
                     (0..super::LANES)
                         .map(move |l| (p, l, word))
                         .collect::<Vec<_>>()
