@@ -46,7 +46,11 @@ pub enum Error {
     /// announced ([`crate::CallDesc`]).
     #[error("call {seq}: rank {rank} made {ours}, but rank {peer} made {theirs}")]
     CallMismatch {
-        /// The call number (1 for the first call of an instance).
+        /// The protocol's call number (1 for the first of an instance):
+        /// each step of a two-shot call and each chunk of a call longer
+        /// than the slot counts as one, so it runs ahead of the number of
+        /// calls made, and `ours` / `theirs` then describe that step or
+        /// chunk (its element count, not the whole call's).
         seq: u64,
         /// This rank.
         rank: usize,

@@ -7,8 +7,9 @@
 //! under `mpirun -n 2` (MPI can be finalized only once per process, so it
 //! cannot share a process with the other MPI tests); each rank checks, in
 //! order: `Arx::new` before `MPI_Init`, a working instance, then after
-//! `MPI_Finalize` (the rsmpi `Universe` dropped) `barrier()`, `Arx::new`
-//! and dropping the instance. A rank that aborts fails the run.
+//! `MPI_Finalize` (the rsmpi `Universe` dropped) `barrier()`, `Arx::new`,
+//! a checked all-reduce on the instance (it needs no MPI) and dropping the
+//! instance. A rank that aborts fails the run.
 
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -130,6 +131,16 @@ fn child() -> Result<(), String> {
         Arx::builder().build(&world).map(|_| ()),
         "finalized",
     )?;
+    // Collectives make no MPI call: an instance made before keeps working
+    // (docs/C.md says so), checked as before.
+    let input = verify::input::<f32>(0xf1a1, 2, rank, 1000);
+    let want = verify::expected::<f32>(0xf1a1, 2, n, 1000);
+    verify::poison(&mut out);
+    arx.allreduce_host(&input, &mut out)
+        .map_err(|e| format!("allreduce after MPI_Finalize: {e}"))?;
+    if verify::count_wrong(&out, &want) != 0 {
+        return Err("wrong sum after finalize".into());
+    }
     // Dropping makes no MPI call (the collective close is skipped with a
     // warning, the communicator is not freed).
     drop(arx);

@@ -35,6 +35,20 @@ pub(crate) fn arx_err(py: Python<'_>, e: arx::Error) -> PyErr {
             let _ = attrs.set_item("rank", *rank);
             "MismatchError"
         }
+        // A peer that announced its failure (a failed fabric, a call it
+        // timed out in) made no call to disagree with: it failed, as the C
+        // ABI's arxPeerFailed says.
+        arx::Error::CallMismatch {
+            seq, peer, theirs, ..
+        } if matches!(
+            theirs.kind,
+            arx::CallKind::FabricFailed | arx::CallKind::Failed
+        ) =>
+        {
+            let _ = attrs.set_item("seq", *seq);
+            let _ = attrs.set_item("peer", *peer);
+            "PeerFailedError"
+        }
         arx::Error::CallMismatch { seq, peer, .. } => {
             let _ = attrs.set_item("seq", *seq);
             let _ = attrs.set_item("peer", *peer);

@@ -29,7 +29,9 @@ pub(crate) const KEYWORDS: &[&str] = &[
 /// A builder with every keyword of `settings` applied, or refusing the
 /// first one that is unknown or whose value is refused.
 pub(crate) fn builder(settings: Option<&Bound<'_, PyDict>>) -> Builder {
-    let mut b = Builder::default();
+    // A value arx refuses is named by its keyword (the builder's method of
+    // the same name).
+    let mut b = Builder::default().names(|o| o.strip_prefix("Builder::").unwrap_or(o));
     let Some(settings) = settings else {
         return b;
     };
