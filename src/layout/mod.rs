@@ -360,10 +360,13 @@ pub(crate) fn peer_flags(region: &Region, layout: &Layout, seq: u64) -> String {
             let f = region
                 .u64_at(layout.flag_offset(p, q, lane))
                 .load(Ordering::Relaxed);
-            let state = if flag_seq(f) == seq as u32 {
-                "arrived"
-            } else {
+            let state = if flag_seq(f) != seq as u32 {
                 "missing"
+            } else if crate::protocol::flag_call(f).0 == crate::abi::ARX_DTYPE_INVALID {
+                // A refusal or a poison: a word for this call, but no data.
+                "failed"
+            } else {
+                "arrived"
             };
             let last = if f == 0 {
                 "nothing received on this parity yet".to_string()

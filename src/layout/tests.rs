@@ -557,3 +557,31 @@ fn memory_per_rank_at_the_default_slot() {
         }
     }
 }
+
+/// The watchdog's and the timeout's view of the flags tells a refusal or a
+/// poison ("failed") from a flag with data ("arrived") and from none.
+#[test]
+fn peer_flags_tell_arrived_failed_and_missing() {
+    let l = Layout::new(3, 0, 4096).unwrap();
+    let r = Region::anonymous(l.region_bytes()).unwrap();
+    let p = 1; // call 5's parity
+    let set = |q, lane, w| {
+        r.u64_at(l.flag_offset(p, q, lane))
+            .store(w, Ordering::Relaxed)
+    };
+    set(1, 0, flag_word(5, crate::abi::ARX_DTYPE_F32, 64));
+    let failed = crate::dtype::FAILED_COUNT;
+    set(1, 1, flag_word(5, crate::abi::ARX_DTYPE_INVALID, failed));
+    set(2, 0, flag_word(3, crate::abi::ARX_DTYPE_F32, 64));
+    let s = peer_flags(&r, &l, 5);
+    assert!(s.contains("peer 1 lane 0: arrived (last call 5"), "{s}");
+    assert!(
+        s.contains("peer 1 lane 1: failed (last call 5 of this parity, nothing: it had timed out"),
+        "{s}"
+    );
+    assert!(s.contains("peer 2 lane 0: missing (last call 3"), "{s}");
+    assert!(
+        s.contains("peer 2 lane 1: missing (nothing received"),
+        "{s}"
+    );
+}
