@@ -822,6 +822,26 @@ mod tests {
         assert_eq!(next_sent(9, 7, 10, 4, true), 10);
     }
 
+    /// A timeout the device side records is told to the peers once, with
+    /// its call; a mismatch is not (every rank sees it itself).
+    #[test]
+    fn a_recorded_timeout_is_told_to_the_peers_and_a_mismatch_is_not() {
+        for (code, told) in [
+            (crate::abi::ARX_STATUS_TIMEOUT, 7),
+            (crate::abi::ARX_STATUS_MISMATCH, 0),
+        ] {
+            let (region, _layout, _cfg, control, proxy) =
+                crate::fabric::fake::proxy_rig(4096, &Overrides::default());
+            protocol::record(&*region, code, 1, 0, 7, 0);
+            proxy.link().wake();
+            let deadline = Instant::now() + Duration::from_millis(500);
+            while control.told.load(Ordering::Acquire) == 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(control.told.load(Ordering::Acquire), told, "status {code}");
+        }
+    }
+
     /// A proxy whose fabric fails posting call 2 while call 1's writes are
     /// outstanding: `sent` must not cover call 1 before its writes are done
     /// (or flushed), and must then cover every published call, so that a
