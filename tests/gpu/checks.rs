@@ -371,3 +371,65 @@ pub(super) fn stopped_rank(ctx: &Ctx, st: Staging) -> R {
     ctx.say("then a new instance on the same GPU ran 20 bit-exact calls");
     Ok(())
 }
+
+/// The last rank arrives after every other rank's kernel timed out: its
+/// late call may still be summed (right bits) or fail at once, and its next
+/// call fails at once naming a peer that timed out (the peers' proxies
+/// poisoned their flags, `CallKind::Failed`), not after its own deadline.
+/// Every rank keeps its instance until the late rank is done.
+pub(super) fn late_rank(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(2);
+    let last = ctx.n - 1;
+    let (mut arx, s) = build(ctx, st, timeout)?;
+    checked_call::<f32>(ctx, &mut arx, &s, 0x9200_0000, 4096, Placement::OutOfPlace)?;
+    let told = |e: &Error| {
+        matches!(e, Error::CallMismatch { theirs, peer, .. }
+            if theirs.kind == arx::CallKind::Failed && *peer != last)
+    };
+    let (x, want) = wide_data::<f32>(ctx, 0x9200_0001, 4096);
+    let din = up(&s, &x)?;
+    let mut dout = poisoned::<f32>(&s, 4096)?;
+    s.synchronize().map_err(e("sync"))?;
+    let result = if ctx.rank == last {
+        std::thread::sleep(timeout + Duration::from_secs(2));
+        let r = arx
+            .allreduce(&din, &mut dout, &s)
+            .and_then(|()| arx.check());
+        let first = match r {
+            Ok(()) => compare("the late call", &down(&s, &dout)?, &want),
+            Err(x) if told(&x) => Ok(()),
+            Err(x) => Err(format!("the late call: unexpected error: {x}")),
+        };
+        first.and_then(|()| {
+            let t = Instant::now();
+            let r = arx
+                .allreduce(&din, &mut dout, &s)
+                .and_then(|()| arx.check());
+            let took = t.elapsed();
+            match r {
+                Err(x) if told(&x) && took < timeout / 2 => {
+                    ctx.say(format!(
+                        "the late rank's next call failed after {took:.2?}: {x}"
+                    ));
+                    Ok(())
+                }
+                Err(x) => Err(format!(
+                    "the call after the late one: after {took:.2?}: {x}"
+                )),
+                Ok(()) => Err("the call after the late one returned Ok".into()),
+            }
+        })
+    } else {
+        match arx
+            .allreduce(&din, &mut dout, &s)
+            .and_then(|()| arx.check())
+        {
+            Err(Error::Timeout { .. }) => Ok(()),
+            Err(x) if told(&x) => Ok(()),
+            Err(x) => Err(format!("a call the last rank is late for: {x}")),
+            Ok(()) => Err("a call the last rank is late for returned Ok".into()),
+        }
+    };
+    ctx.world.barrier();
+    result
+}

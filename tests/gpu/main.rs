@@ -26,7 +26,8 @@
 //! failing every rank with `CallMismatch` at once; a rank that stops calling
 //! (every other rank's kernel ends with `Timeout` naming it within the
 //! deadline, its output NaN-poisoned), after which a new instance on the same
-//! GPU runs 20 correct calls.
+//! GPU runs 20 correct calls; a rank that arrives after the others timed
+//! out (its next call fails at once: they told it).
 //!
 //! The GPU-side ways to get a silent wrong sum that were found by review:
 //! calls on two streams with no dependency, a graph replay next to an eager
@@ -302,6 +303,7 @@ fn child() -> ExitCode {
             "a stopped rank: Timeout within the deadline, then 20 correct calls",
             stopped_rank,
         ),
+        ("a late rank's next call fails at once", late_rank),
         (
             "edge values (-0.0, NaN, Inf, subnormals), aligned and not",
             edges,
