@@ -88,6 +88,22 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
     // The resolved settings name the fabric in use (the automatic
     // algorithm's thresholds depend on it: `Algo::choose`).
     cfg.fabric = fabric_kind;
+    if cfg.spin == crate::config::SpinMode::Hot
+        && infos[..rank].iter().all(|p| p.host != infos[rank].host)
+    {
+        // (Once per node: its lowest rank.)
+        let copy = match fabric_kind {
+            FabricKind::Shm => cfg.copy_threads(local_ranks),
+            _ => 0,
+        };
+        // SAFETY: sysconf reads a system value; no pointer is involved.
+        let online = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) })
+            .unwrap_or(1)
+            .max(1);
+        if let Some(w) = hot_oversubscribed(local_ranks, 2 + copy, online) {
+            log::warn!("{w}");
+        }
+    }
     if fabric_kind == FabricKind::Shm && !one_node {
         let other = infos
             .iter()
@@ -328,6 +344,23 @@ fn shm_placement(
     Ok(place)
 }
 
+/// With `ARX_SPIN=hot` nothing of arx yields its CPU: `local_ranks` ranks
+/// of `per_rank` spinning threads each (the caller, the proxy, the Shm
+/// copy threads) on `online` CPUs. When they outnumber the CPUs, a thread
+/// whose work another waits for may sit off-CPU for whole scheduler ticks
+/// and calls crawl (an outside test's 3 ranks of 17 threads on 2 CPUs did
+/// not finish in 120 s): the warning the node's first rank logs.
+fn hot_oversubscribed(local_ranks: usize, per_rank: usize, online: usize) -> Option<String> {
+    let threads = local_ranks * per_rank;
+    (threads > online).then(|| {
+        format!(
+            "arx: ARX_SPIN=hot: {local_ranks} rank(s) here x {per_rank} threads that never yield \
+             (caller, proxy, copy threads) = {threads} on {online} CPUs: calls will crawl; unset \
+             ARX_SPIN (adaptive yields), or lower ARX_SHM_COPY_THREADS"
+        )
+    })
+}
+
 /// With `ARX_DEVICE=auto`, rank `missing` cannot run the GPU side (`avail`:
 /// every rank's availability, 1 or 0 then the reason), so every rank runs
 /// the host side. If some rank could have run the GPU side, the job (a
@@ -347,7 +380,18 @@ fn auto_fallback_warning(avail: &[Vec<u8>], missing: usize) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::auto_fallback_warning;
+    use super::{auto_fallback_warning, hot_oversubscribed};
+
+    #[test]
+    fn hot_spinning_past_the_cpus_is_warned_about() {
+        assert_eq!(hot_oversubscribed(2, 2, 4), None);
+        assert_eq!(hot_oversubscribed(1, 5, 16), None);
+        let w = hot_oversubscribed(3, 17, 2).expect("51 threads on 2 CPUs");
+        assert!(w.contains("3 rank(s) here x 17 threads"), "{w}");
+        assert!(w.contains("= 51 on 2 CPUs"), "{w}");
+        assert!(!w.contains("  "), "runs of spaces: {w}");
+        assert!(hot_oversubscribed(2, 2, 3).is_some());
+    }
 
     #[test]
     fn auto_warns_only_when_some_rank_had_a_gpu() {
