@@ -96,10 +96,7 @@ pub(crate) fn establish(mut boot: Bootstrap, cfg: Config) -> Result<Arx> {
             FabricKind::Shm => cfg.copy_threads(local_ranks),
             _ => 0,
         };
-        // SAFETY: sysconf reads a system value; no pointer is involved.
-        let online = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) })
-            .unwrap_or(1)
-            .max(1);
+        let online = crate::config::online_cpus().unwrap_or(1);
         if let Some(w) = hot_oversubscribed(local_ranks, 2 + copy, online) {
             log::warn!("{w}");
         }

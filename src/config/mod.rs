@@ -360,6 +360,13 @@ pub(crate) struct Overrides {
     pub settle: Option<Duration>,
 }
 
+/// The node's online CPUs (at least 1), if the system says.
+pub(crate) fn online_cpus() -> Option<usize> {
+    // SAFETY: sysconf reads a system value; no pointer is involved.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).ok().map(|n| n.max(1))
+}
+
 /// [`Config::copy_threads`]'s default for a rank that may run on `mine`
 /// CPUs, on a node of `online` CPUs and `local_ranks` ranks.
 pub(crate) fn default_copy_threads(mine: usize, online: usize, local_ranks: usize) -> usize {
@@ -580,10 +587,7 @@ impl Config {
             return n as usize;
         }
         let mine = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // SAFETY: sysconf reads a system value; no pointer is involved.
-        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-        let online = usize::try_from(online).unwrap_or(mine).max(1);
-        default_copy_threads(mine, online, local_ranks)
+        default_copy_threads(mine, online_cpus().unwrap_or(mine), local_ranks)
     }
 
     /// The settings from the `ARX_*` environment and defaults, as
