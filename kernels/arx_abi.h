@@ -55,8 +55,9 @@ typedef unsigned int uint32_t;
 #define ARX_MAGIC 0x31585241u
 /* Bump on any change to this file, to the wire format (src/wire.rs), to
  * the start-up's collective steps, or to a rule every rank must apply alike
- * (the automatic algorithm: 10, per-world host thresholds). */
-#define ARX_ABI_VERSION 10u
+ * (the automatic algorithm: 10, per-world host thresholds; 11: the
+ * departure words after the probe words, src/layout). */
+#define ARX_ABI_VERSION 11u
 
 #define ARX_LANES 2u
 #define ARX_PARITIES 2u
@@ -181,6 +182,11 @@ typedef unsigned int uint32_t;
  * a call of its own timed out: as ARX_FLAG_POISON_COUNT, one element less,
  * so that the peers' errors say which. */
 #define ARX_FLAG_FAILED_COUNT 0x07fffffeu
+/* Count field of the "invalid" flag word a rank's proxy writes into its
+ * own region, in place of a peer's flag, when that peer closed its
+ * instance (its departure word, which no kernel reads) before the call
+ * this rank waits for: as ARX_FLAG_POISON_COUNT, two elements less. */
+#define ARX_FLAG_DEPARTED_COUNT 0x07fffffdu
 /* Largest slot size in bytes (ARX_SLOT_BYTES). */
 #define ARX_MAX_COUNT 0x0fffffffu
 

@@ -58,6 +58,11 @@ pub(crate) const POISON_COUNT: usize = abi::ARX_FLAG_POISON_COUNT as usize;
 /// on it fails at once.
 pub(crate) const FAILED_COUNT: usize = abi::ARX_FLAG_FAILED_COUNT as usize;
 
+/// Element count of the "invalid" flag word a rank's proxy writes in place
+/// of a peer's flag when that peer closed its instance before the call
+/// (see `proxy`), so that the call fails at once naming it.
+pub(crate) const DEPARTED_COUNT: usize = abi::ARX_FLAG_DEPARTED_COUNT as usize;
+
 /// What a rank announced for a call in its flag word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -71,6 +76,10 @@ pub enum CallKind {
     /// Nothing: the rank had timed out in a call, so its instance is failed
     /// for good (poisoned flags).
     Failed,
+    /// Nothing: the rank had closed its instance (dropped it; C:
+    /// `arxCommDestroy`; Python: `close()`) after fewer calls than this
+    /// rank made.
+    Departed,
     /// A dtype code this version does not know.
     Unknown(u32),
 }
@@ -152,6 +161,7 @@ impl CallDesc {
                 CallKind::FabricFailed
             }
             None if code == abi::ARX_DTYPE_INVALID && field == FAILED_COUNT => CallKind::Failed,
+            None if code == abi::ARX_DTYPE_INVALID && field == DEPARTED_COUNT => CallKind::Departed,
             None if code == abi::ARX_DTYPE_INVALID => CallKind::Refused,
             None => CallKind::Unknown(code),
         };
@@ -212,6 +222,12 @@ impl std::fmt::Display for CallDesc {
                 return write!(
                     f,
                     "nothing: it had timed out in a call (see that rank's error)"
+                )
+            }
+            CallKind::Departed => {
+                return write!(
+                    f,
+                    "nothing: it had closed its instance after fewer calls (dropped or destroyed)"
                 )
             }
             CallKind::Refused => write!(

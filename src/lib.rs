@@ -212,6 +212,13 @@
 //!   [`CallKind::Failed`]: a rank whose call times out tells its peers
 //!   (poisoned flags, from its proxy thread, while the instance lives).
 //!   Treat any rank's timeout as the job's.
+//! * A rank that drops its instance while its peers still call tells them
+//!   (a departure word, after its last flags): a peer's call that waits
+//!   for that rank fails at once with [`Error::CallMismatch`] naming it,
+//!   its call [`CallKind::Departed`], instead of at the timeout. A peer
+//!   reached only through a relay (the diagonals of a 4-ring over Verbs)
+//!   may not be told (the relay forwards the failed flag only once it
+//!   waits for that call itself), and then times out.
 //! * Dropping instances is collective with the RDMA fabric (a barrier
 //!   bounded by the call timeout): drop them in the same order on every
 //!   rank, as `MPI_Comm_free`. Another order still frees everything but
@@ -736,6 +743,9 @@ impl Drop for Arx {
         // destroy its QPs while a peer's last writes still await their
         // acknowledgement, and that peer would see "retry exceeded".
         self.proxy.stop();
+        // Then the peers learn that this rank makes no more calls: a peer
+        // still calling fails at once naming this rank, not at its timeout.
+        self.proxy.depart();
         if self.proxy.needs_collective_close() {
             if let Err(e) = self.boot.barrier("collective close") {
                 log::warn!("arx: rank {}: closing without every peer: {e}", self.rank());

@@ -425,6 +425,31 @@ impl Proxy {
         self.shared.trace.read()
     }
 
+    /// Tells the peers this rank closes its instance
+    /// ([`Fabric::tell_departed`], with the last call posted), then waits,
+    /// bounded by the timeout, until the words are out (a Verbs write is
+    /// acknowledged). After [`Proxy::stop`]: the thread has drained what
+    /// was published, so the words come after every flag of this rank.
+    pub fn depart(&self) {
+        let mut g = self.shared.engine.lock().unwrap_or_else(|e| e.into_inner());
+        let last = g.posted;
+        g.fabric.tell_departed(last);
+        // (Checked as in `stop`: no deadline, no wait.)
+        let now = Instant::now();
+        let deadline = now.checked_add(self.timeout).unwrap_or(now);
+        while !g.fabric.quiescent() {
+            if let Err(e) = g.fabric.progress() {
+                log::debug!("arx: the departure words may not all have reached the peers: {e}");
+                return;
+            }
+            if Instant::now() > deadline {
+                log::debug!("arx: the departure words were not acknowledged within the timeout");
+                return;
+            }
+            crate::spin::sleep(Duration::from_micros(50));
+        }
+    }
+
     /// True when the fabric wants a collective close (see [`Fabric`]).
     pub fn needs_collective_close(&self) -> bool {
         self.shared
@@ -517,6 +542,7 @@ fn note_shared_cpu(
 fn run(s: &Shared, layout: Layout, cfg: &Config, spin: SpinMode) {
     let mut backoff = Backoff::new(spin, cfg.spin_hot.unwrap_or(64));
     let mut watch = Watchdog::new(cfg.stall_warn);
+    let mut departures = Departures::new(layout.world());
     let mut stop_at: Option<Instant> = None;
     loop {
         let busy = s.pump(false);
@@ -539,10 +565,93 @@ fn run(s: &Shared, layout: Layout, cfg: &Config, spin: SpinMode) {
             }
         }
         watch.check(s, &layout);
+        departures.check(s, &layout);
         if busy {
             backoff.reset();
         } else {
             backoff.idle_parked();
+        }
+    }
+}
+
+/// How often, at most, the proxy reads the peers' departure words while
+/// the device side waits for a call.
+const DEPARTURES_EVERY: Duration = Duration::from_micros(200);
+
+/// Fails a call at once when a peer it waits for closed its instance
+/// before that call ([`Fabric::tell_departed`]): the peer's departure word
+/// names the last call it posted; a call after it can never get that
+/// peer's flag, so the proxy writes a poisoned word (dtype `INVALID`,
+/// [`DEPARTED_COUNT`](crate::dtype::DEPARTED_COUNT)) for the call into the
+/// peer's flags in this rank's own region, and the device side (Host or
+/// GPU) fails the call naming the peer (`CallKind::Departed`).
+///
+/// Written here, by the receiver, and only for the call the device side
+/// has published and waits for: that call's flag place last held the
+/// peer's flag of the call two before, which the device side had seen
+/// before it published the call in between (kernels/arx_abi.h), and the
+/// peer writes nothing more. A departing rank must not poison its peers
+/// itself: it does not know how far they are, and a peer still summing
+/// the call before last (pipelined chunks) may still read the flag a
+/// poison would overwrite.
+struct Departures {
+    /// Per peer: the call a poisoned word was written for (0: none).
+    poisoned: Vec<u64>,
+    next: Instant,
+}
+
+impl Departures {
+    fn new(world: usize) -> Self {
+        Departures {
+            poisoned: vec![0; world],
+            next: Instant::now(),
+        }
+    }
+
+    fn check(&mut self, s: &Shared, layout: &Layout) {
+        let ctrl = s.region.ctrl();
+        // Relaxed would do for both (compared, no data read on their
+        // account); as the watchdog.
+        let published = ctrl.seq().load(Ordering::Acquire);
+        if published <= ctrl.done().load(Ordering::Acquire) {
+            return;
+        }
+        let now = Instant::now();
+        if now < self.next {
+            return;
+        }
+        self.next = now + DEPARTURES_EVERY;
+        for q in layout.peers() {
+            // Acquire: pairs with the departing rank's Release (Shm); over
+            // RDMA the word lands after the rank's last flags.
+            let w = s
+                .region
+                .u64_at(layout.departed_offset(q))
+                .load(Ordering::Acquire);
+            let Some(last) = crate::fabric::departed_last(w) else {
+                continue;
+            };
+            if published <= last || self.poisoned[q] >= published {
+                continue;
+            }
+            self.poisoned[q] = published;
+            let word = protocol::flag_word(
+                published,
+                crate::abi::ARX_DTYPE_INVALID,
+                crate::dtype::DEPARTED_COUNT,
+            );
+            for lane in 0..protocol::LANES {
+                // Relaxed: no data goes with this word (a reader that sees
+                // it fails the call and reads no slot).
+                s.region
+                    .u64_at(layout.flag_offset(protocol::parity(published), q, lane))
+                    .store(word, Ordering::Relaxed);
+            }
+            log::warn!(
+                "arx: rank {}: rank {q} closed its instance after call {last}; call \
+                 {published}, which waits for it, fails",
+                layout.rank()
+            );
         }
     }
 }
@@ -634,6 +743,7 @@ mod tests {
             true
         }
         fn tell_failed(&mut self, _seq: u64) {}
+        fn tell_departed(&mut self, _last: u64) {}
         fn describe(&self) -> String {
             String::new()
         }
@@ -839,6 +949,65 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(1));
             }
             assert_eq!(control.told.load(Ordering::Acquire), told, "status {code}");
+        }
+    }
+
+    /// A peer's departure word fails the call the device side waits for
+    /// when the peer posted only calls before it (the proxy poisons the
+    /// peer's flag of that call in this rank's region), and leaves it
+    /// alone when the peer had posted that call; `depart` hands the fabric
+    /// the last call posted.
+    #[test]
+    fn a_departed_peer_fails_only_the_calls_it_never_made() {
+        for (peer_last, poisoned) in [(1u64, true), (2, false)] {
+            let (region, layout, _cfg, control, proxy) =
+                crate::fabric::fake::proxy_rig(4096, &Overrides::default());
+            let ctrl = region.ctrl();
+            for seq in 1..=2u64 {
+                ctrl.meta((seq & 1) as usize).store(
+                    flag_word(seq, crate::abi::ARX_DTYPE_F32, 8),
+                    Ordering::Relaxed,
+                );
+            }
+            ctrl.done().store(1, Ordering::Release);
+            ctrl.seq().store(2, Ordering::Release);
+            region
+                .u64_at(layout.departed_offset(1))
+                .store(crate::fabric::departed_word(peer_last), Ordering::Release);
+            proxy.link().wake();
+            let want = flag_word(
+                2,
+                crate::abi::ARX_DTYPE_INVALID,
+                crate::dtype::DEPARTED_COUNT,
+            );
+            let flags = || {
+                [0, 1].map(|lane| {
+                    region
+                        .u64_at(layout.flag_offset(0, 1, lane))
+                        .load(Ordering::Acquire)
+                })
+            };
+            let deadline = Instant::now() + Duration::from_millis(500);
+            while flags() != [want; 2] && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let expect = if poisoned { [want; 2] } else { [0; 2] };
+            assert_eq!(flags(), expect, "peer's last call {peer_last}");
+            assert_eq!(
+                crate::CallDesc::of_flag(want).kind,
+                crate::CallKind::Departed
+            );
+            // This rank leaves: its fabric is told the last call it posted
+            // (both posts complete first, so that neither `stop`'s drain
+            // nor `depart` waits for them).
+            control.completed.store(2, Ordering::Release);
+            let mut proxy = proxy;
+            proxy.stop();
+            proxy.depart();
+            assert_eq!(
+                crate::fabric::departed_last(control.departed.load(Ordering::Acquire)),
+                Some(2)
+            );
         }
     }
 

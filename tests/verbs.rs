@@ -24,9 +24,11 @@
 //! digests equal on every rank), then:
 //!
 //! * **a rank leaves** (call timeout 5 s): rank 1 drops its instance (which
-//!   closes collectively: it waits, bounded, for the others); every other
-//!   rank's next call must return an error within the timeout plus 10 s of
-//!   slack, instead of hanging.
+//!   writes its departure word into every peer over RDMA, then closes
+//!   collectively: it waits, bounded, for the others); every other rank's
+//!   next call must fail with [`Error::CallMismatch`] naming rank 1, its
+//!   call `CallKind::Departed`, in less than half the timeout (not by the
+//!   timeout).
 //! * **a rank breaks a queue pair** (call timeout 10 s): rank 1 puts its
 //!   lane-0 QP to rank 0 into the error state (`Arx::inject_fault`); within
 //!   its next two calls it must fail with [`Error::Verbs`], and every other
@@ -56,7 +58,7 @@ const CULPRIT: usize = 1;
 const DRILLS: [(&str, &str, Drill); 3] = [
     (
         "leave",
-        "a rank leaves: every other rank fails within the timeout",
+        "a rank leaves: every other rank fails at once (its departure word)",
         leave,
     ),
     (
@@ -280,8 +282,8 @@ fn next_input(arx: &Arx, call: u64, count: usize) -> Vec<f32> {
 }
 
 /// One good call, then rank [`CULPRIT`] drops its instance and the others
-/// call again. Passes when every other rank gets an error within the
-/// timeout (plus slack for a slow machine) instead of hanging.
+/// call again. Passes when every other rank fails at once, told by the
+/// departure word that rank [`CULPRIT`] left.
 fn leave(world: &SimpleCommunicator) -> Result<String, String> {
     let (mut arx, count) = after_one_good_call(world, Duration::from_secs(5))?;
     if arx.rank() == CULPRIT {
@@ -297,11 +299,17 @@ fn leave(world: &SimpleCommunicator) -> Result<String, String> {
     let took = start.elapsed();
     match r {
         Ok(()) => Err(format!("the call after rank {CULPRIT} left succeeded")),
-        Err(e) if took < timeout + Duration::from_secs(10) => Ok(format!(
-            "failed within the bound as it should, after {took:?} (timeout {timeout:?}): {e}"
-        )),
+        Err(Error::CallMismatch { peer, theirs, .. })
+            if peer == CULPRIT && theirs.kind == CallKind::Departed && took < timeout / 2 =>
+        {
+            Ok(format!(
+                "failed at once as it should, after {took:?} (timeout {timeout:?}): rank \
+                 {peer} closed its instance"
+            ))
+        }
         Err(e) => Err(format!(
-            "failed only after {took:?} (timeout {timeout:?}): {e}"
+            "failed after {took:?} (timeout {timeout:?}), not at once by the departure \
+             word: {e}"
         )),
     }
 }

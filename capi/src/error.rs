@@ -65,9 +65,13 @@ pub(crate) fn code_of(e: &Error) -> arxResult_t {
         Error::Mismatch { .. } => arxMismatch,
         // A peer whose fabric failed announced nothing: that is its failure,
         // not a disagreement about the call.
-        // Nor is one that had failed a call before (a timeout of its own).
+        // Nor is one that had failed a call before (a timeout of its own),
+        // or had destroyed its comm after fewer calls.
         Error::CallMismatch { theirs, .. }
-            if matches!(theirs.kind, CallKind::FabricFailed | CallKind::Failed) =>
+            if matches!(
+                theirs.kind,
+                CallKind::FabricFailed | CallKind::Failed | CallKind::Departed
+            ) =>
         {
             arxPeerFailed
         }

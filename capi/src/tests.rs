@@ -72,6 +72,7 @@ fn every_error_variant_has_its_code() {
         (mismatch(call(CallKind::Refused)), arxMismatch),
         (mismatch(call(CallKind::FabricFailed)), arxPeerFailed),
         (mismatch(call(CallKind::Failed)), arxPeerFailed),
+        (mismatch(call(CallKind::Departed)), arxPeerFailed),
         (
             Error::Timeout {
                 during: "d",

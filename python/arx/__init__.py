@@ -53,7 +53,8 @@ class TimeoutError(Error, _builtins.TimeoutError):
 
 
 class PeerFailedError(Error):
-    """Another rank failed (``peer``); this rank stops too."""
+    """Another rank failed (``peer``), timed out in a call before this rank
+    came, or closed its Comm after fewer calls; this rank stops too."""
 
 
 class InvalidArgumentError(Error, ValueError, TypeError):

@@ -36,13 +36,13 @@ pub(crate) fn arx_err(py: Python<'_>, e: arx::Error) -> PyErr {
             "MismatchError"
         }
         // A peer that announced its failure (a failed fabric, a call it
-        // timed out in) made no call to disagree with: it failed, as the C
-        // ABI's arxPeerFailed says.
+        // timed out in) or closed its comm after fewer calls made no call
+        // to disagree with: it failed, as the C ABI's arxPeerFailed says.
         arx::Error::CallMismatch {
             seq, peer, theirs, ..
         } if matches!(
             theirs.kind,
-            arx::CallKind::FabricFailed | arx::CallKind::Failed
+            arx::CallKind::FabricFailed | arx::CallKind::Failed | arx::CallKind::Departed
         ) =>
         {
             let _ = attrs.set_item("seq", *seq);

@@ -269,6 +269,28 @@ def a_late_ranks_next_call_fails_at_once():
 
 
 @case
+def a_rank_that_closes_early_is_named_at_once():
+    """The last rank closes its Comm after one checked call; every other
+    rank's next call raises PeerFailedError at once naming it ("closed its
+    instance"), not at the timeout."""
+    comm = arx.Comm(WORLD, timeout=3.0)
+    x = partial(33, 4096, "float32", RANK)
+    out = poison(4096, "float32")
+    comm.allreduce(x, out)
+    want = expected([partial(33, 4096, "float32", r) for r in range(SIZE)], "float32")
+    check(same_bits(out, want), f"the call before the close: {wrong(out, want)}")
+    if RANK == SIZE - 1:
+        comm.close()
+    else:
+        e, dt = expect_error(lambda: comm.allreduce(partial(34, 4096, "float32", RANK)), arx.PeerFailedError,
+                             contains=("closed its instance",), name="the call after the last rank closed")
+        check(dt < 1.5, f"the call after the last rank closed took {dt:.2f} s (timeout 3 s)")
+        check(getattr(e, "peer", None) == SIZE - 1, f"peer attribute {getattr(e, 'peer', None)}")
+        comm.close()
+    WORLD.Barrier()
+
+
+@case
 def bad_arguments_raise_clear_errors():
     """Each bad call (the same on every rank) raises InvalidArgumentError
     on every rank, naming what is wrong. A refused call fails its Comm, so

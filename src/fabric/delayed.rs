@@ -75,6 +75,10 @@ impl Fabric for Delayed {
             .map_or(posted, |&(_, seq, _, _)| seq.saturating_sub(1));
         self.inner.completed_through(handed)
     }
+    fn tell_departed(&mut self, last: u64) {
+        // The proxy drained this fabric first: nothing is queued here.
+        self.inner.tell_departed(last)
+    }
     fn tell_failed(&mut self, seq: u64) {
         // At once: a post still queued here for `seq` may overwrite the
         // poison of `seq` later, not that of `seq + 1`.

@@ -15,6 +15,21 @@ pub(crate) mod verbs;
 #[allow(unused_imports)]
 pub(crate) use crate::layout::Layout;
 
+/// The departure word a rank that posted every call through `last` writes
+/// into its peers ([`Fabric::tell_departed`]): the top bit set (a region
+/// starts zeroed: no departure), then `last`.
+pub(crate) fn departed_word(last: u64) -> u64 {
+    DEPARTED_MARK | (last & !DEPARTED_MARK)
+}
+
+/// The last call a departure word's rank posted, or `None` for no
+/// departure (see [`departed_word`]).
+pub(crate) fn departed_last(word: u64) -> Option<u64> {
+    (word & DEPARTED_MARK != 0).then_some(word & !DEPARTED_MARK)
+}
+
+const DEPARTED_MARK: u64 = 1 << 63;
+
 /// One transport, driven by the proxy thread.
 pub(crate) trait Fabric: Send {
     /// Short name for logs and the perf header ("shm", "verbs").
@@ -51,6 +66,20 @@ pub(crate) trait Fabric: Send {
     /// instance (the proxy); it never makes a peer accept data (no call's
     /// flag word equals a poisoned one).
     fn tell_failed(&mut self, seq: u64);
+    /// Tells every peer it links to directly that this rank closes its
+    /// instance having posted every call through `last`: the departure
+    /// word ([`departed_word`]) into the peer's `departed[rank]`
+    /// ([`Layout::departed_offset`]), which only the peer's proxy reads.
+    /// A peer's proxy that finds it while its device side waits for a later
+    /// call fails that call at once, naming this rank
+    /// (`CallKind::Departed`), instead of at its timeout. Called once, by
+    /// `Proxy::depart`, after the proxy thread drained and stopped, and
+    /// never on a failed fabric (whose poison told the peers already). A
+    /// peer reached only through a relay is not told directly: the relay's
+    /// proxy poisons the flag in its own region once it waits for that call
+    /// itself, and forwards it like any flag; otherwise the peer times out.
+    /// Best effort: the caller waits, bounded, for [`Fabric::quiescent`].
+    fn tell_departed(&mut self, last: u64);
     /// One line describing the fabric (devices, GIDs, MTU, segment).
     fn describe(&self) -> String;
     /// Puts the endpoint to `peer` on `lane` into an error state (fault
@@ -109,6 +138,8 @@ pub(crate) mod fake {
         pub work: AtomicBool,
         /// The call `tell_failed` was given (0: not called).
         pub told: AtomicU64,
+        /// The departure word `tell_departed` was given (0: not called).
+        pub departed: AtomicU64,
     }
 
     pub(crate) struct FakeFabric {
@@ -182,6 +213,11 @@ pub(crate) mod fake {
         }
         fn tell_failed(&mut self, seq: u64) {
             self.control.told.store(seq, Ordering::Release);
+        }
+        fn tell_departed(&mut self, last: u64) {
+            self.control
+                .departed
+                .store(super::departed_word(last), Ordering::Release);
         }
         fn describe(&self) -> String {
             "fake".into()

@@ -790,6 +790,19 @@ impl Fabric for ShmFabric {
         }
     }
 
+    fn tell_departed(&mut self, last: u64) {
+        let layout = &self.layout;
+        let word = super::departed_word(last);
+        for q in layout.peers() {
+            // Release: pairs with the reader's Acquire (the proxy reads no
+            // data on its account, but every flag of ours through `last`
+            // was stored before).
+            self.regions[q]
+                .u64_at(layout.departed_offset(layout.rank()))
+                .store(word, Ordering::Release);
+        }
+    }
+
     fn probe_rails(
         &mut self,
         _opts: &crate::probe::ProbeOptions,

@@ -2,13 +2,15 @@
 //! else) and the small amount of `unsafe` needed to touch it.
 //!
 //! ```text
-//! ctrl  | flags[2][world][2] probe[world] | send[2][slot] | recv[2][world][slot]
+//! ctrl  | flags[2][world][2] probe[world] departed[world] | send[2][slot] | recv[2][world][slot]
 //! ```
 //!
 //! `probe[src]` (8 bytes per rank, after the flag array in the same
 //! section) is the word `src` writes when [`Arx::probe_rails`] measures a
-//! rail; only the host reads it, never a kernel, so it is not part of the
-//! kernel ABI ([`Layout::probe_offset`]).
+//! rail, and `departed[src]` the word `src` writes when it closes its
+//! instance ([`Layout::departed_offset`]); only the host reads them, never
+//! a kernel, so they are not part of the kernel ABI
+//! ([`Layout::probe_offset`]).
 //!
 //! [`Arx::probe_rails`]: crate::Arx::probe_rails
 //!
@@ -241,9 +243,9 @@ impl Layout {
         let slot = up(slot_bytes)?;
         let flags_off = up(CTRL_BYTES)?;
         let flags_bytes = PARITIES * world * LANES * 8;
-        // The probe words follow the flags in their section.
+        // The probe and departure words follow the flags in their section.
         let send_off = up(flags_off
-            .checked_add(flags_bytes + world * 8)
+            .checked_add(flags_bytes + world * 16)
             .ok_or_else(overflow)?)?;
         let recv_off = PARITIES
             .checked_mul(slot)
@@ -323,6 +325,17 @@ impl Layout {
         debug_assert!(src < self.world());
         let off = self.flags_offset() + self.flags_bytes() + src * 8;
         // `with_page` leaves room for `world` words before the send slots.
+        debug_assert!(off + 8 <= self.raw.send_off as usize);
+        off
+    }
+    /// Offset of the 8-byte word `src` writes into this region when it
+    /// closes its instance (`Fabric::tell_departed`): after the probe
+    /// words, before the send slots. Not part of the kernel ABI (only this
+    /// rank's proxy reads it).
+    pub(crate) fn departed_offset(&self, src: usize) -> usize {
+        debug_assert!(src < self.world());
+        let off = self.flags_offset() + self.flags_bytes() + (self.world() + src) * 8;
+        // `with_page` leaves room for `2 * world` words before the send slots.
         debug_assert!(off + 8 <= self.raw.send_off as usize);
         off
     }

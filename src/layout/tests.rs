@@ -55,40 +55,44 @@ fn sections_are_disjoint_and_aligned() {
 }
 
 #[test]
-fn probe_words_lie_between_the_flags_and_the_send_slots() {
+fn probe_and_departure_words_lie_between_the_flags_and_the_send_slots() {
     for page in [4096, 65536] {
-        for world in [1, 2, 3, 101, 102, 103, 127, 128, 129, 256] {
+        for world in [1, 2, 3, 85, 86, 101, 102, 103, 127, 128, 129, 256] {
             let l = Layout::with_page(world, 0, 4096, page).unwrap();
             let flags = l.flags_offset()..l.flags_offset() + l.flags_bytes();
             let mut seen = std::collections::HashSet::new();
             for src in 0..world {
-                let o = l.probe_offset(src);
-                assert_eq!(o % 8, 0);
-                assert!(
-                    !flags.contains(&o),
-                    "world {world}: probe word {src} in the flags"
-                );
-                assert!(o >= flags.end, "world {world}");
-                assert!(
-                    o + 8 <= l.send_offset(0),
-                    "world {world}, page {page}: probe word {src} at {o} reaches the send slot at {}",
-                    l.send_offset(0)
-                );
-                assert!(seen.insert(o));
+                for (what, o) in [
+                    ("probe", l.probe_offset(src)),
+                    ("departure", l.departed_offset(src)),
+                ] {
+                    assert_eq!(o % 8, 0);
+                    assert!(
+                        !flags.contains(&o),
+                        "world {world}: {what} word {src} in the flags"
+                    );
+                    assert!(o >= flags.end, "world {world}");
+                    assert!(
+                        o + 8 <= l.send_offset(0),
+                        "world {world}, page {page}: {what} word {src} at {o} reaches the send \
+                         slot at {}",
+                        l.send_offset(0)
+                    );
+                    assert!(seen.insert(o), "world {world}: {what} word {src} overlaps");
+                }
             }
         }
     }
-    // Up to 102 ranks, flags and probe words share one 4 KiB page (the
-    // layout of smaller jobs is unchanged); 128 ranks fill a page with
-    // flags alone, so the probe words take the next one.
-    assert_eq!(
-        Layout::with_page(102, 0, 1, 4096).unwrap().send_offset(0),
-        2 * 4096
-    );
-    assert_eq!(
-        Layout::with_page(128, 0, 1, 4096).unwrap().send_offset(0),
-        3 * 4096
-    );
+    // Up to 85 ranks, flags, probe and departure words share one 4 KiB
+    // page; from 86 they take two (flags 32 bytes a rank, the other words
+    // 16).
+    for (world, pages) in [(85, 2), (86, 3), (128, 3), (256, 4)] {
+        assert_eq!(
+            Layout::with_page(world, 0, 1, 4096).unwrap().send_offset(0),
+            pages * 4096,
+            "world {world}"
+        );
+    }
 }
 
 #[test]
@@ -518,9 +522,9 @@ fn an_anonymous_region_is_whole_pages_of_the_kernels_page() {
 
 /// The memory each rank maps and registers (its region), as README.md
 /// ("Requirements") states it: with the default 1 MiB slot, two pages
-/// (control block; flags and probe words) and 2 x (world + 1) slots, while
-/// the flags and probe words (40 bytes a rank) fit one page: up to 102
-/// ranks on 4 KiB pages, every world on 64 KiB pages.
+/// (control block; flags, probe and departure words) and 2 x (world + 1)
+/// slots, while the flags and the other words (48 bytes a rank) fit one
+/// page: up to 85 ranks on 4 KiB pages, every world on 64 KiB pages.
 #[test]
 fn memory_per_rank_at_the_default_slot() {
     const MIB: usize = 1 << 20;
@@ -543,17 +547,18 @@ fn memory_per_rank_at_the_default_slot() {
         );
     }
     // The formula for every world: one page of control block, the flags
-    // and probe words rounded up to pages, then the slots.
+    // with the probe and departure words rounded up to pages, then the
+    // slots.
     for page in [4096, 65536] {
         for world in 1..=abi::ARX_MAX_WORLD as usize {
             let l = Layout::with_page(world, 0, slot, page).unwrap();
-            let flag_pages = (40 * world).div_ceil(page);
+            let flag_pages = (48 * world).div_ceil(page);
             assert_eq!(
                 l.region_bytes(),
                 (1 + flag_pages) * page + 2 * (world + 1) * slot,
                 "{world} ranks, {page} B pages"
             );
-            assert_eq!(flag_pages == 1, page == 65536 || world <= 102);
+            assert_eq!(flag_pages == 1, page == 65536 || world <= 85);
         }
     }
 }

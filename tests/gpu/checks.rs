@@ -372,6 +372,54 @@ pub(super) fn stopped_rank(ctx: &Ctx, st: Staging) -> R {
     Ok(())
 }
 
+/// The last rank drops its instance after a call longer than one slot
+/// (pipelined chunks; small slots) while the others call again: their
+/// call fails at once naming it, its call `CallKind::Departed` (their
+/// proxies read its departure word and poison its flag for the kernel),
+/// not at the kernel's deadline; the call it made was right everywhere.
+pub(super) fn rank_drops_early(ctx: &Ctx, st: Staging) -> R {
+    let timeout = Duration::from_secs(4);
+    let last = ctx.n - 1;
+    let (mut arx, s) = build_small(ctx, st, timeout)?;
+    let m = arx.max_count::<f32>();
+    checked_call::<f32>(ctx, &mut arx, &s, 0x9300_0000, 4096, Placement::OutOfPlace)?;
+    checked_call::<f32>(
+        ctx,
+        &mut arx,
+        &s,
+        0x9300_0001,
+        3 * m + 5,
+        Placement::OutOfPlace,
+    )
+    .map_err(|x| format!("the leaver's last call: {x}"))?;
+    if ctx.rank == last {
+        drop(arx);
+        return Ok(());
+    }
+    let din = up(&s, &wide::<f32>(0x9300_0002, ctx.rank, 4096))?;
+    let mut dout = poisoned::<f32>(&s, 4096)?;
+    s.synchronize().map_err(e("sync"))?;
+    let t = Instant::now();
+    let r = arx
+        .allreduce(&din, &mut dout, &s)
+        .and_then(|()| arx.check());
+    let took = t.elapsed();
+    match r {
+        Err(Error::CallMismatch { peer, theirs, .. })
+            if peer == last && theirs.kind == arx::CallKind::Departed && took < timeout / 2 =>
+        {
+            ctx.say(format!(
+                "rank {last} dropped its instance; the next call failed after {took:.2?}"
+            ));
+            Ok(())
+        }
+        Err(x) => Err(format!(
+            "the call after rank {last} left: after {took:.2?} (timeout {timeout:?}): {x}"
+        )),
+        Ok(()) => Err(format!("the call after rank {last} left returned Ok")),
+    }
+}
+
 /// The last rank arrives after every other rank's kernel timed out: its
 /// late call may still be summed (right bits) or fail at once, and its next
 /// call fails at once naming a peer that timed out (the peers' proxies

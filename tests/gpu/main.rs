@@ -305,6 +305,10 @@ fn child() -> ExitCode {
         ),
         ("a late rank's next call fails at once", late_rank),
         (
+            "a rank that drops its instance early: the others fail at once",
+            rank_drops_early,
+        ),
+        (
             "edge values (-0.0, NaN, Inf, subnormals), aligned and not",
             edges,
         ),

@@ -145,16 +145,24 @@ pub(super) fn one_rank_refuses(ctx: &Ctx) -> Result<(), String> {
 
 /// Rank 0 stops calling and rank 1 refuses its call: every other rank must
 /// fail at once naming rank 1, although rank 0 (silent) comes first in its
-/// order of peers.
+/// order of peers. Rank 0 keeps its instance until the others are done (an
+/// MPI barrier): dropping it would tell them it left.
 pub(super) fn refusal_past_silence(ctx: &Ctx) -> Result<(), String> {
     if ctx.n < 3 {
         return Ok(()); // needs a silent rank, a refusing rank and a witness
     }
     let mut arx = builder().build(ctx.world).map_err(|e| e.to_string())?;
     checked::<f32>(ctx, &mut arx, 1, 100, false)?;
-    if ctx.rank == 0 {
-        return Ok(()); // silent
-    }
+    let result = if ctx.rank == 0 {
+        Ok(()) // silent
+    } else {
+        refused_past_silence(ctx, &mut arx)
+    };
+    ctx.world.barrier();
+    result
+}
+
+fn refused_past_silence(ctx: &Ctx, arx: &mut Arx) -> Result<(), String> {
     // Rank 1's input and output lengths differ: refused.
     let input = verify::input::<f32>(SEED, 2, ctx.rank, 100);
     let mut out = vec![0f32; if ctx.rank == 1 { 101 } else { 100 }];
@@ -174,6 +182,9 @@ pub(super) fn refusal_past_silence(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
+/// The last rank stops calling but keeps its instance (until the others
+/// are done: an MPI barrier): every other rank's call times out, naming it,
+/// within the timeout and some slack.
 pub(super) fn rank_stops(ctx: &Ctx) -> Result<(), String> {
     let timeout = Duration::from_millis(1500);
     let mut arx = builder()
@@ -181,9 +192,16 @@ pub(super) fn rank_stops(ctx: &Ctx) -> Result<(), String> {
         .build(ctx.world)
         .map_err(|e| e.to_string())?;
     checked::<bf16>(ctx, &mut arx, 1, 512, false)?;
-    if ctx.rank == ctx.n - 1 {
-        return Ok(()); // this rank stops calling
-    }
+    let result = if ctx.rank == ctx.n - 1 {
+        Ok(()) // this rank stops calling
+    } else {
+        times_out_on_the_last(ctx, &mut arx, timeout)
+    };
+    ctx.world.barrier();
+    result
+}
+
+fn times_out_on_the_last(ctx: &Ctx, arx: &mut Arx, timeout: Duration) -> Result<(), String> {
     let input = verify::input::<bf16>(SEED, 2, ctx.rank, 512);
     let mut out = vec![bf16::ZERO; 512];
     let t = Instant::now();
@@ -199,6 +217,65 @@ pub(super) fn rank_stops(ctx: &Ctx) -> Result<(), String> {
         return Err(format!(
             "timed out after {waited:?}, configured {timeout:?}"
         ));
+    }
+    Ok(())
+}
+
+/// The last rank drops its instance after a call longer than one slot
+/// (pipelined chunks: a peer may still be summing when it leaves) while the
+/// others go on: each of their next calls fails at once, naming it, its
+/// call `CallKind::Departed` (its departure word, read by their proxies),
+/// not at their timeout; and their result of the call it did make is
+/// right (its departure fails no call it made). Both algorithms' last
+/// steps, one instance each.
+pub(super) fn rank_drops_early(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_secs(5);
+    let leaver = ctx.n - 1;
+    for (k, algo) in [arx::Algo::OneShot, arx::Algo::TwoShot]
+        .into_iter()
+        .enumerate()
+    {
+        let mut arx = builder()
+            .slot_bytes(4096)
+            .algo(algo)
+            .timeout(timeout)
+            .build(ctx.world)
+            .map_err(|e| e.to_string())?;
+        let call = 10 * k as u64;
+        let m = arx.max_count::<f32>();
+        checked::<f32>(ctx, &mut arx, call + 1, 100, false)?;
+        checked::<f32>(ctx, &mut arx, call + 2, 3 * m + 5, false)
+            .map_err(|e| format!("{algo:?}: the leaver's last call: {e}"))?;
+        if ctx.rank == leaver {
+            drop(arx);
+            continue;
+        }
+        for (i, count) in [100, 3 * m + 5].into_iter().enumerate() {
+            let input = verify::input::<f32>(SEED, call + 3 + i as u64, ctx.rank, count);
+            let mut out = vec![0f32; count];
+            let t = Instant::now();
+            let r = arx.allreduce_host(&input, &mut out);
+            let took = t.elapsed();
+            expect_err(
+                &format!("{algo:?}: call {} after rank {leaver} left", i + 1),
+                r,
+                |e| match e {
+                    // The first: its flag's place holds the poison.
+                    Error::CallMismatch { peer, theirs, .. } if i == 0 => {
+                        *peer == leaver && theirs.kind == CallKind::Departed
+                    }
+                    // The next: the instance failed for good.
+                    _ => i > 0,
+                },
+            )?;
+            if took > timeout / 2 {
+                return Err(format!(
+                    "{algo:?}: call {} after rank {leaver} left failed after {took:?}, not at \
+                     once (timeout {timeout:?})",
+                    i + 1
+                ));
+            }
+        }
     }
     Ok(())
 }

@@ -307,6 +307,10 @@ fn child() -> ExitCode {
         ("start-up slower than the call timeout", slow_start_up),
         ("one rank stops calling", rank_stops),
         (
+            "a rank that drops its instance early: the others fail at once",
+            rank_drops_early,
+        ),
+        (
             "a late rank's next call fails at once",
             late_rank_fails_next_call_at_once,
         ),

@@ -259,6 +259,12 @@ impl Fabric for VerbsFabric {
         }
     }
 
+    fn tell_departed(&mut self, last: u64) {
+        if self.failed.is_none() {
+            self.depart(last);
+        }
+    }
+
     fn inject_fault(&mut self, peer: usize, lane: usize) -> Result<()> {
         let i = *self
             .rails

@@ -429,6 +429,43 @@ impl VerbsFabric {
         }
     }
 
+    /// Writes the departure word ([`departed_word`](crate::fabric::departed_word)
+    /// of `last`) into every peer this rank links to directly, signalled,
+    /// on a healthy QP to it (see
+    /// [`Fabric::tell_departed`](crate::fabric::Fabric::tell_departed)):
+    /// after every flag this rank posted, which the proxy's drain saw
+    /// complete.
+    pub(super) fn depart(&mut self, last: u64) {
+        let me = self.layout.rank();
+        let word = crate::fabric::departed_word(last);
+        let layout = self.layout;
+        for q in layout.peers() {
+            let Some(i) = self.rails[q]
+                .iter()
+                .flatten()
+                .copied()
+                .find(|&i| !self.links[i].broken)
+            else {
+                continue;
+            };
+            if !self.links[i].ledger.has_room(1) {
+                continue;
+            }
+            let rr = self.links[i].remote;
+            // INLINE: the word is copied when posted; `word` is a value.
+            let write = Write {
+                local: &word as *const u64 as u64,
+                len: 8,
+                lkey: None,
+                remote: rr.addr + self.layout.departed_offset(me) as u64,
+                rkey: rr.rkey,
+            };
+            if let Err(e) = self.post_chain(i, &[write], true, None) {
+                log::warn!("arx verbs: could not tell peer {q} that this rank leaves: {e}");
+            }
+        }
+    }
+
     /// Re-writes each QP's last flag, signalled, so that an unsignalled tail
     /// completes observably (or, with `stalled`, so that a QP whose WRs have
     /// not completed for [`KICK_AFTER`] is kicked). Idempotent at the peer:
