@@ -564,8 +564,14 @@ fn run(s: &Shared, layout: Layout, cfg: &Config, spin: SpinMode) {
                 return;
             }
         }
-        watch.check(s, &layout);
-        departures.check(s, &layout);
+        // The device side's progress, read once for both checks. Relaxed
+        // would do: two counters compared, no data read on their account.
+        let ctrl = s.region.ctrl();
+        let done = ctrl.done().load(Ordering::Acquire);
+        let published = ctrl.seq().load(Ordering::Acquire);
+        let now = Instant::now();
+        watch.check(s, &layout, done, published, now);
+        departures.check(s, &layout, done, published, now);
         if busy {
             backoff.reset();
         } else {
@@ -608,16 +614,9 @@ impl Departures {
         }
     }
 
-    fn check(&mut self, s: &Shared, layout: &Layout) {
-        let ctrl = s.region.ctrl();
-        // Relaxed would do for both (compared, no data read on their
-        // account); as the watchdog.
-        let published = ctrl.seq().load(Ordering::Acquire);
-        if published <= ctrl.done().load(Ordering::Acquire) {
-            return;
-        }
-        let now = Instant::now();
-        if now < self.next {
+    /// `done`, `published`: the device side's counters; `now`: the time.
+    fn check(&mut self, s: &Shared, layout: &Layout, done: u64, published: u64, now: Instant) {
+        if published <= done || now < self.next {
             return;
         }
         self.next = now + DEPARTURES_EVERY;
@@ -697,13 +696,9 @@ impl Watchdog {
         Some(done + 1)
     }
 
-    fn check(&mut self, s: &Shared, layout: &Layout) {
-        let ctrl = s.region.ctrl();
-        // Relaxed would do for both: two progress counters compared for a
-        // log line, no data read on their account.
-        let done = ctrl.done().load(Ordering::Acquire);
-        let published = ctrl.seq().load(Ordering::Acquire);
-        let Some(waiting) = self.observe(done, published, Instant::now()) else {
+    /// `done`, `published`: the device side's counters; `now`: the time.
+    fn check(&mut self, s: &Shared, layout: &Layout, done: u64, published: u64, now: Instant) {
+        let Some(waiting) = self.observe(done, published, now) else {
             return;
         };
         log::warn!(
