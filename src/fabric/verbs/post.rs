@@ -388,14 +388,7 @@ impl VerbsFabric {
         let me = self.layout.rank();
         let layout = self.layout;
         for q in layout.peers() {
-            // Any healthy QP to q can write every flag of ours there: its
-            // device's rkey covers the whole region.
-            let Some(i) = self.rails[q]
-                .iter()
-                .flatten()
-                .copied()
-                .find(|&i| !self.links[i].broken)
-            else {
+            let Some(i) = self.healthy_link(q) else {
                 continue;
             };
             let rr = self.links[i].remote;
@@ -429,6 +422,17 @@ impl VerbsFabric {
         }
     }
 
+    /// A healthy QP to `q`, if this rank links to it directly: any can
+    /// write every word of ours there (its device's rkey covers the whole
+    /// region).
+    fn healthy_link(&self, q: usize) -> Option<usize> {
+        self.rails[q]
+            .iter()
+            .flatten()
+            .copied()
+            .find(|&i| !self.links[i].broken)
+    }
+
     /// Writes the departure word ([`departed_word`](crate::fabric::departed_word)
     /// of `last`) into every peer this rank links to directly, signalled,
     /// on a healthy QP to it (see
@@ -440,12 +444,7 @@ impl VerbsFabric {
         let word = crate::fabric::departed_word(last);
         let layout = self.layout;
         for q in layout.peers() {
-            let Some(i) = self.rails[q]
-                .iter()
-                .flatten()
-                .copied()
-                .find(|&i| !self.links[i].broken)
-            else {
+            let Some(i) = self.healthy_link(q) else {
                 continue;
             };
             if !self.links[i].ledger.has_room(1) {
