@@ -213,7 +213,7 @@
 //!   (poisoned flags, from its proxy thread, while the instance lives).
 //!   Treat any rank's timeout as the job's.
 //! * A rank that drops its instance while its peers still call tells them
-//!   (a departure word, after its last flags): a peer's call that waits
+//!   (a departure word naming its last call): a peer's call that waits
 //!   for that rank fails at once with [`Error::CallMismatch`] naming it,
 //!   its call [`CallKind::Departed`], instead of at the timeout. A peer
 //!   reached only through a relay (the diagonals of a 4-ring over Verbs)

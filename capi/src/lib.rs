@@ -165,10 +165,12 @@ fn mpi_usable() -> Result<(), Failure> {
     }
 }
 
-/// Frees a communicator: waits for its GPU work, stops its proxy thread
-/// and (over RDMA) closes with its peers, bounded by the call timeout. Call
-/// it on every rank, before `MPI_Finalize` (after it, arx frees its memory
-/// without any MPI call). `comm` must not be used afterwards.
+/// Frees a communicator: waits for its GPU work, stops its proxy thread,
+/// tells its peers it leaves (a peer still calling then fails at once with
+/// `arxPeerFailed` naming this rank) and (over RDMA) closes with its peers;
+/// each step is bounded by the call timeout. Call it on every rank, before
+/// `MPI_Finalize` (after it, arx frees its memory without any MPI call).
+/// `comm` must not be used afterwards.
 ///
 /// # Safety
 /// `comm` is NULL (refused) or a live comm that no other thread uses

@@ -76,7 +76,8 @@ impl Fabric for Delayed {
         self.inner.completed_through(handed)
     }
     fn tell_departed(&mut self, last: u64) {
-        // The proxy drained this fabric first: nothing is queued here.
+        // The proxy drained this fabric first: nothing is queued here
+        // (unless the drain ran out of time: those posts never go).
         self.inner.tell_departed(last)
     }
     fn tell_failed(&mut self, seq: u64) {

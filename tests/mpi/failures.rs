@@ -280,6 +280,41 @@ pub(super) fn rank_drops_early(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
+/// Two instances dropped in opposite orders on even and odd ranks (the
+/// docs allow it: over RDMA each collective close may then wait up to the
+/// timeout, and a departure word may go to a peer that already closed):
+/// the drops end within their bounds, and a new instance's call is right.
+pub(super) fn drops_in_other_orders(ctx: &Ctx) -> Result<(), String> {
+    let timeout = Duration::from_millis(1500);
+    let mut a = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    let mut b = builder()
+        .timeout(timeout)
+        .build(ctx.world)
+        .map_err(|e| e.to_string())?;
+    checked::<f32>(ctx, &mut a, 1, 300, false)?;
+    checked::<f32>(ctx, &mut b, 2, 300, false)?;
+    let t = Instant::now();
+    if ctx.rank % 2 == 0 {
+        drop(a);
+        drop(b);
+    } else {
+        drop(b);
+        drop(a);
+    }
+    // Each close waits at most about one timeout (and the proxy's stop
+    // one more second when its drain is stuck).
+    let took = t.elapsed();
+    if took > 2 * (2 * timeout + Duration::from_secs(1)) {
+        return Err(format!("the two drops took {took:?} (timeout {timeout:?})"));
+    }
+    ctx.world.barrier();
+    let mut c = builder().build(ctx.world).map_err(|e| e.to_string())?;
+    checked::<bf16>(ctx, &mut c, 3, 1000, false)
+}
+
 /// A rank that arrives after its peers' call timeout ran out may finish that
 /// call on their partials (with the right sum) or fail it, but its next call
 /// fails at once, naming a peer that had failed: the peers that timed out

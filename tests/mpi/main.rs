@@ -311,6 +311,10 @@ fn child() -> ExitCode {
             rank_drops_early,
         ),
         (
+            "instances dropped in other orders on other ranks, then a new one",
+            drops_in_other_orders,
+        ),
+        (
             "a late rank's next call fails at once",
             late_rank_fails_next_call_at_once,
         ),

@@ -302,6 +302,7 @@ pub(crate) fn connect(
         signal_each_call: cfg.staging == Staging::CopyEngine,
         tail: false,
         failed: None,
+        departed: false,
         polls: 0,
         cfg: cfg.clone(),
         region: Arc::clone(region),

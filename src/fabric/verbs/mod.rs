@@ -227,6 +227,10 @@ pub(crate) struct VerbsFabric {
     tail: bool,
     /// The first failed completion; later calls return it again.
     failed: Option<Error>,
+    /// This rank told its peers it leaves ([`VerbsFabric::depart`]): a
+    /// failure now (a departure write to a peer that already destroyed its
+    /// queue pairs) poisons no one.
+    departed: bool,
     /// `progress` calls since the last stall check.
     polls: u32,
     /// The settings (the GID choice, re-run when a QP fails).

@@ -185,7 +185,12 @@ impl VerbsFabric {
     pub(super) fn fail(&mut self, e: Error, seq: u64) -> Error {
         if self.failed.is_none() {
             self.failed = Some(e.clone());
-            self.poison(seq, POISON_COUNT);
+            // After the departure every call of this rank was delivered,
+            // and a peer still calling learns of it from the departure word
+            // (the write that failed went to a peer that had closed).
+            if !self.departed {
+                self.poison(seq, POISON_COUNT);
+            }
         }
         e
     }
@@ -436,10 +441,13 @@ impl VerbsFabric {
     /// Writes the departure word ([`departed_word`](crate::fabric::departed_word)
     /// of `last`) into every peer this rank links to directly, signalled,
     /// on a healthy QP to it (see
-    /// [`Fabric::tell_departed`](crate::fabric::Fabric::tell_departed)):
-    /// after every flag this rank posted, which the proxy's drain saw
-    /// complete.
+    /// [`Fabric::tell_departed`](crate::fabric::Fabric::tell_departed)).
+    /// The QP may not be the one that carried this rank's last flag to the
+    /// peer: no order is needed, as the peer compares call numbers only
+    /// (the word names the last call, and the drain before it saw every
+    /// write through it complete, when it finished).
     pub(super) fn depart(&mut self, last: u64) {
+        self.departed = true;
         let me = self.layout.rank();
         let word = crate::fabric::departed_word(last);
         let layout = self.layout;
