@@ -602,10 +602,10 @@ const DEPARTURES_EVERY: Duration = Duration::from_micros(200);
 /// side has published (it may still be summing the one before, pipelined):
 /// that call's flag place last held the peer's flag of the call two
 /// before, which the device side had seen before it published the call in
-/// between (kernels/arx_abi.h), and the peer writes nothing more. A departing rank must not poison its peers
-/// itself: it does not know how far they are, and a peer still summing
-/// the call before last (pipelined chunks) may still read the flag a
-/// poison would overwrite.
+/// between (kernels/arx_abi.h), and the peer writes nothing more. A
+/// departing rank must not poison its peers itself: it does not know how
+/// far they are, and a peer still summing the call before last (pipelined
+/// chunks) may still read the flag a poison would overwrite.
 struct Departures {
     /// Per peer: the call a poisoned word was written for (0: none).
     poisoned: Vec<u64>,
