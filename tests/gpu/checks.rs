@@ -303,6 +303,24 @@ pub(super) fn mismatch(ctx: &Ctx, st: Staging) -> R {
     Ok(())
 }
 
+/// One all-reduce of 4096 f32 (seeded input `call`, poisoned output), its
+/// result checked with `arx.check()`, timed from the call to the check:
+/// the result, the time and the output as it came back.
+fn timed_call(
+    ctx: &Ctx,
+    arx: &mut Arx,
+    s: &Arc<CudaStream>,
+    call: u64,
+) -> R<(arx::Result<()>, Duration, Vec<f32>)> {
+    let din = up(s, &wide::<f32>(call, ctx.rank, 4096))?;
+    let mut dout = poisoned::<f32>(s, 4096)?;
+    s.synchronize().map_err(e("sync"))?;
+    let t = Instant::now();
+    let r = arx.allreduce(&din, &mut dout, s).and_then(|()| arx.check());
+    let took = t.elapsed();
+    Ok((r, took, down(s, &dout)?))
+}
+
 /// The last rank skips a call: every other rank's kernel exits with a
 /// `Timeout` naming it within the 2 s deadline (+1 s), its output
 /// NaN-poisoned. Then a new instance on the same GPU (and MPS) runs 20
@@ -328,15 +346,7 @@ pub(super) fn stopped_rank(ctx: &Ctx, st: Staging) -> R {
             // rank waited in a collective meanwhile).
             std::thread::sleep(timeout + Duration::from_secs(2));
         } else {
-            let din = up(&s, &wide::<f32>(0x9000_0099, ctx.rank, 4096))?;
-            let mut dout = poisoned::<f32>(&s, 4096)?;
-            s.synchronize().map_err(e("sync"))?;
-            let t = Instant::now();
-            let r = arx
-                .allreduce(&din, &mut dout, &s)
-                .and_then(|()| arx.check());
-            let waited = t.elapsed();
-            let out = down(&s, &dout)?;
+            let (r, waited, out) = timed_call(ctx, &mut arx, &s, 0x9000_0099)?;
             let nan = out.iter().all(|x| x.is_nan());
             let msg = match &r {
                 Ok(()) => "no error".to_string(),
@@ -396,14 +406,7 @@ pub(super) fn rank_drops_early(ctx: &Ctx, st: Staging) -> R {
         drop(arx);
         return Ok(());
     }
-    let din = up(&s, &wide::<f32>(0x9300_0002, ctx.rank, 4096))?;
-    let mut dout = poisoned::<f32>(&s, 4096)?;
-    s.synchronize().map_err(e("sync"))?;
-    let t = Instant::now();
-    let r = arx
-        .allreduce(&din, &mut dout, &s)
-        .and_then(|()| arx.check());
-    let took = t.elapsed();
+    let (r, took, _) = timed_call(ctx, &mut arx, &s, 0x9300_0002)?;
     match r {
         Err(Error::CallMismatch { peer, theirs, .. })
             if peer == last && theirs.kind == arx::CallKind::Departed && took < timeout / 2 =>
